@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""Writes tiny random checkpoints with Hugging Face transformers, plus the logits and greedy
+continuations transformers computes for them. moe.cpp's model tests compare against these.
+
+Each fixture is a directory <out>/<name>/ holding what save_pretrained wrote (config.json,
+*.safetensors, maybe an index) and reference.json:
+  {"inputs": [[ids...], ...], "logits": [[[f32 x V] x T] per input],
+   "greedy": [[ids...] per input], "min_top2_margin": float, "dtype": ..., "transformers": ver}
+
+Weights are drawn at random with a fixed seed and rounded to the checkpoint's dtype *before* the
+reference runs, and the reference runs transformers in float32 on the CPU. So an engine that
+upcasts the stored weights exactly and computes in f32 should match within f32 rounding,
+whatever the checkpoint dtype. Greedy continuations are recomputed from scratch at every step
+(no cache) so that they do not depend on transformers' cache code.
+
+usage: python3 scripts/make_fixtures.py --out tests/fixtures [--only name,...]
+"""
+import argparse
+import json
+import os
+import traceback
+import zlib
+
+import torch
+import transformers
+
+SMALL = dict(vocab_size=384, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256, rms_norm_eps=1e-6)
+
+# name -> (architecture class, config class, config kwargs, storage dtype, save kwargs)
+FIXTURES = {
+    "qwen3_dense_f32": ("Qwen3ForCausalLM", "Qwen3Config", dict(
+        SMALL, num_hidden_layers=2, head_dim=16, intermediate_size=128, rope_theta=10000.0,
+        tie_word_embeddings=False), torch.float32, {}),
+    "qwen3_moe_f32": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        SMALL, num_hidden_layers=3, head_dim=32, intermediate_size=96, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[1], rope_theta=1000000.0, tie_word_embeddings=False),
+        torch.float32, {}),
+    "qwen3_moe_nonorm_f32": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        SMALL, num_hidden_layers=4, head_dim=16, intermediate_size=80, moe_intermediate_size=24,
+        num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2,
+        mlp_only_layers=[], rope_theta=10000.0, tie_word_embeddings=True),
+        torch.float32, {}),
+    "qwen3_moe_bf16": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        SMALL, num_hidden_layers=2, head_dim=16, intermediate_size=64, moe_intermediate_size=32,
+        num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], rope_theta=10000.0, tie_word_embeddings=False),
+        torch.bfloat16, {}),
+    "mixtral_f32": ("MixtralForCausalLM", "MixtralConfig", dict(
+        SMALL, num_key_value_heads=1, num_hidden_layers=2, intermediate_size=48,
+        num_local_experts=4, num_experts_per_tok=2, rope_theta=1000000.0,
+        tie_word_embeddings=False), torch.float32, {}),
+    "mixtral_f16_sharded": ("MixtralForCausalLM", "MixtralConfig", dict(
+        SMALL, num_hidden_layers=2, intermediate_size=40, num_local_experts=8,
+        num_experts_per_tok=2, rope_theta=10000.0, tie_word_embeddings=False),
+        torch.float16, {"max_shard_size": "300KB"}),
+    # --- the MoE-subsystem architectures ---
+    "deepseek_v2_f32": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
+        SMALL, num_key_value_heads=4, num_hidden_layers=3, intermediate_size=96,
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, moe_layer_freq=1, kv_lora_rank=32, q_lora_rank=None,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, topk_method="greedy",
+        n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+        rope_theta=10000.0, tie_word_embeddings=False), torch.float32, {}),
+    "deepseek_v2_grouped_f32": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
+        SMALL, num_key_value_heads=4, num_hidden_layers=2, intermediate_size=96,
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3,
+        first_k_dense_replace=0, moe_layer_freq=1, kv_lora_rank=24, q_lora_rank=48,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=False, rope_theta=10000.0,
+        tie_word_embeddings=False), torch.float32, {}),
+    "deepseek_v3_f32": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        SMALL, num_key_value_heads=4, num_hidden_layers=3, intermediate_size=96,
+        moe_intermediate_size=32, n_routed_experts=16, n_shared_experts=1,
+        num_experts_per_tok=4, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, rope_theta=10000.0,
+        tie_word_embeddings=False), torch.float32, {}),
+    "deepseek_v3_g8_f32": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        SMALL, num_key_value_heads=4, num_hidden_layers=2, intermediate_size=64,
+        moe_intermediate_size=16, n_routed_experts=32, n_shared_experts=2,
+        num_experts_per_tok=6, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_group=8, topk_group=3,
+        routed_scaling_factor=1.5, norm_topk_prob=False, rope_theta=10000.0,
+        tie_word_embeddings=False), torch.float32, {}),
+    "deepseek_v3_bf16": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        SMALL, num_key_value_heads=4, num_hidden_layers=2, intermediate_size=64,
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=2, topk_group=1,
+        routed_scaling_factor=2.0, norm_topk_prob=True, rope_theta=10000.0,
+        tie_word_embeddings=False), torch.bfloat16, {}),
+    "qwen2_moe_f32": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        SMALL, num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=10000.0,
+        tie_word_embeddings=False), torch.float32, {}),
+    "olmoe_f32": ("OlmoeForCausalLM", "OlmoeConfig", dict(
+        SMALL, num_hidden_layers=2, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=False, rope_theta=10000.0, tie_word_embeddings=False),
+        torch.float32, {}),
+}
+
+# The bundled demo checkpoint: the real Qwen3 vocabulary so that the real tokenizer drives it,
+# everything else tiny. Written to models/ by --demo.
+DEMO = ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+    vocab_size=151936, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=8, max_position_embeddings=4096, rms_norm_eps=1e-6, num_hidden_layers=2,
+    intermediate_size=32, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
+    tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645), torch.bfloat16, {})
+
+INPUTS = [[3, 17, 42, 7, 99], [1], [5, 250, 11, 11, 11, 64, 300, 2, 81, 190, 33, 47, 120, 8,
+                                    260, 14, 77, 91, 222, 6, 150, 38, 201, 3]]
+GREEDY_STEPS = 8
+
+
+def randomize(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name or "norm" in name.split(".")[-2]:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+
+
+def compact(values):
+    """Seven significant digits: enough for a 1e-4 bound, half the size of full repr."""
+    return [float(f"{v:.7g}") for v in values]
+
+
+def build(spec, seed, out_dir, full_logits=True):
+    arch, config_cls, kwargs, dtype, save_kwargs = spec
+    config = getattr(transformers, config_cls)(**kwargs)
+    config._attn_implementation = "eager"
+    model = getattr(transformers, arch)(config).eval()
+    randomize(model, seed)
+    # Round to the storage dtype first, so the f32 reference sees exactly the stored weights.
+    # Only what is stored: rotary inv_freq buffers are recomputed in f32 at load, never rounded.
+    stored = list(model.parameters()) + [b for n, b in model.named_buffers()
+                                         if "e_score_correction_bias" in n]
+    with torch.no_grad():
+        for t in stored:
+            t.copy_(t.to(dtype).to(torch.float32))
+    model = model.float()
+    refs = {"inputs": [], "logits": [], "greedy": [], "dtype": str(dtype).split(".")[-1],
+            "transformers": transformers.__version__, "torch": torch.__version__,
+            "architecture": arch}
+    margins = []
+    with torch.no_grad():
+        for ids in INPUTS:
+            ids = [i % config.vocab_size for i in ids]
+            logits = model(torch.tensor([ids])).logits[0].float()
+            refs["inputs"].append(ids)
+            rows = logits if full_logits else logits[-1:]
+            refs["logits"].append([compact(r.tolist()) for r in rows])
+            seq = list(ids)
+            for _ in range(GREEDY_STEPS):
+                last = model(torch.tensor([seq])).logits[0, -1].float()
+                top2 = torch.topk(last, 2).values
+                margins.append(float(top2[0] - top2[1]))
+                seq.append(int(torch.argmax(last)))
+            refs["greedy"].append(seq[len(ids):])
+    refs["min_top2_margin"] = min(margins)
+    refs["logits_rows"] = "all" if full_logits else "last"
+    os.makedirs(out_dir, exist_ok=True)
+    model.to(dtype).save_pretrained(out_dir, **save_kwargs)
+    with open(os.path.join(out_dir, "reference.json"), "w") as f:
+        json.dump(refs, f)
+    from safetensors import safe_open
+    keys = sorted(k for f in os.listdir(out_dir) if f.endswith(".safetensors")
+                  for k in safe_open(os.path.join(out_dir, f), "pt").keys())
+    print(f"{out_dir}: {arch} {refs['dtype']} margin={refs['min_top2_margin']:.4f} "
+          f"files={sorted(os.listdir(out_dir))}")
+    print("  keys:", [k for k in keys if ".layers.0." in k or ".layers." not in k])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="tests/fixtures")
+    ap.add_argument("--demo", default=None, help="also write the demo checkpoint here")
+    ap.add_argument("--only", default="")
+    args = ap.parse_args()
+    torch.set_num_threads(8)
+    names = [n for n in FIXTURES if not args.only or n in args.only.split(",")]
+    failed = []
+    for name in names:
+        try:
+            # The seed depends on the name only, so --only regenerates a fixture identically.
+            build(FIXTURES[name], zlib.crc32(name.encode()), os.path.join(args.out, name))
+        except Exception:
+            traceback.print_exc()
+            failed.append(name)
+    if args.demo:
+        build(DEMO, 7, args.demo, full_logits=False)
+    print("transformers", transformers.__version__, "torch", torch.__version__)
+    if failed:
+        print("FAILED:", failed)
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+// Chat templates: renders a conversation into the prompt text a model was trained on, from the
+// Jinja "chat_template" of a Hugging Face tokenizer_config.json, with the same output as
+// transformers' apply_chat_template(..., tokenize=False). The template runs in a small Jinja
+// interpreter (io/jinja.h) that covers what the Qwen3 and DeepSeek-V3 templates (and most other
+// chat templates) use; a template that needs more is refused with kUnsupported when loaded or, for
+// constructs only reached at run time, when rendered.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace moe {
+
+namespace jinja {
+class Template;
+}
+
+struct ChatMessage {
+  std::string role;
+  std::string content;
+};
+
+class ChatTemplate {
+ public:
+  // Reads "chat_template" (and the bos/eos/pad/unk tokens) from tokenizer_config.json. When the
+  // config has no template, a chat_template.jinja next to it is used (newer transformers save it
+  // there). Throws moe::Error: kIo if the file is missing, kFormat if it is not valid JSON, kConfig
+  // if there is no template, kUnsupported if the template uses Jinja this interpreter lacks.
+  static ChatTemplate from_tokenizer_config(const std::string& path);
+  // From template source directly (bos/eos may be empty); `origin` names it in messages.
+  static ChatTemplate from_source(const std::string& source, const std::string& origin,
+                                  const std::string& bos_token = {},
+                                  const std::string& eos_token = {});
+
+  // Renders the conversation. enable_thinking is left undefined (the template's default) unless
+  // given. Throws kInvalidArgument when the template rejects the conversation
+  // (raise_exception), kUnsupported for constructs it cannot render.
+  std::string render(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
+  std::string render(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
+                     std::optional<bool> enable_thinking) const;
+  // General form: messages as JSON (objects with role, content and anything else, e.g.
+  // tool_calls) and extra variables (e.g. tools, enable_thinking) merged into the context.
+  std::string render_json(const nlohmann::ordered_json& messages, bool add_generation_prompt,
+                          const nlohmann::ordered_json& extra) const;
+
+  const std::string& bos_token() const { return bos_; }
+  const std::string& eos_token() const { return eos_; }
+  const std::string& source() const { return source_; }
+
+ private:
+  std::shared_ptr<const jinja::Template> template_;
+  std::string source_, origin_;
+  std::string bos_, eos_, pad_, unk_;
+};
+
+}  // namespace moe

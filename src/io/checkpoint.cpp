@@ -1,0 +1,145 @@
+#include "io/checkpoint.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "moe/errors.h"
+
+namespace moe {
+
+namespace fs = std::filesystem;
+
+Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
+  MOE_CHECK(fs::is_directory(dir), kIo, "model directory {} does not exist", dir);
+  fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
+  fs::path single = fs::path(dir) / "model.safetensors";
+  std::vector<std::string> shard_names;
+  std::map<std::string, std::string> weight_map;
+  if (fs::exists(index_path)) {
+    std::ifstream in(index_path);
+    nlohmann::json index;
+    try {
+      index = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+      MOE_THROW(kFormat, "{} is not valid JSON ({})", index_path.string(), e.what());
+    }
+    MOE_CHECK(index.contains("weight_map") && index["weight_map"].is_object(), kFormat,
+              "{} has no weight_map object", index_path.string());
+    std::set<std::string> seen;
+    for (auto& [name, file] : index["weight_map"].items()) {
+      MOE_CHECK(file.is_string(), kFormat, "{}: weight_map entry '{}' is not a file name",
+                index_path.string(), name);
+      std::string f = file.get<std::string>();
+      MOE_CHECK(f.find('/') == std::string::npos && f != ".." && !f.empty(), kFormat,
+                "{}: shard name '{}' must be a plain file name", index_path.string(), f);
+      weight_map[name] = f;
+      if (seen.insert(f).second) shard_names.push_back(f);
+    }
+  } else if (fs::exists(single)) {
+    shard_names.push_back("model.safetensors");
+  } else {
+    MOE_THROW(kIo, "no weights in {}: expected model.safetensors or model.safetensors.index.json",
+              dir);
+  }
+  for (const auto& shard : shard_names) {
+    files_.push_back(std::make_unique<SafetensorsFile>((fs::path(dir) / shard).string()));
+    const SafetensorsFile* file = files_.back().get();
+    for (const auto& t : file->tensors()) {
+      auto [it, inserted] = where_.emplace(t.name, std::make_pair(file, &t));
+      MOE_CHECK(inserted, kFormat, "tensor '{}' appears in both {} and {}", t.name,
+                it->second.first->path(), file->path());
+    }
+  }
+  for (const auto& [name, shard] : weight_map) {
+    auto it = where_.find(name);
+    MOE_CHECK(it != where_.end(), kFormat, "index lists tensor '{}' in {}, but that shard lacks it",
+              name, shard);
+  }
+}
+
+const TensorInfo& Checkpoint::info(const std::string& name) const {
+  auto it = where_.find(name);
+  MOE_CHECK(it != where_.end(), kShape, "missing tensor '{}' in checkpoint {}", name, dir_);
+  return *it->second.second;
+}
+
+const void* Checkpoint::data(const std::string& name) const {
+  auto it = where_.find(name);
+  MOE_CHECK(it != where_.end(), kShape, "missing tensor '{}' in checkpoint {}", name, dir_);
+  return it->second.first->data(*it->second.second);
+}
+
+std::vector<std::string> Checkpoint::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, _] : where_) out.push_back(name);
+  return out;
+}
+
+uint64_t Checkpoint::total_bytes() const {
+  uint64_t total = 0;
+  for (const auto& [_, w] : where_) total += w.second->end - w.second->begin;
+  return total;
+}
+
+uint64_t Checkpoint::total_elements() const {
+  uint64_t total = 0;
+  for (const auto& [_, w] : where_) {
+    uint64_t n = 1;
+    for (int64_t d : w.second->shape) n *= static_cast<uint64_t>(d);
+    total += n;
+  }
+  return total;
+}
+
+WeightLoader::WeightLoader(const Checkpoint& ckpt, Arena& arena, bool strict)
+    : ckpt_(ckpt), arena_(arena), strict_(strict) {}
+
+namespace {
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+}  // namespace
+
+void WeightLoader::take_into(const std::string& name, const std::vector<int64_t>& shape,
+                             float* dst) {
+  const TensorInfo& info = ckpt_.info(name);
+  MOE_CHECK(info.shape == shape, kShape, "tensor '{}' has shape {} but the config implies {}", name,
+            shape_string(info.shape), shape_string(shape));
+  size_t count = 1;
+  for (int64_t d : shape) count *= static_cast<size_t>(d);
+  convert_to_f32(ckpt_.data(name), info.dtype, dst, count);
+  taken_.insert(name);
+  bytes_loaded_ += info.end - info.begin;
+  if (on_progress) on_progress(bytes_loaded_, ckpt_.total_bytes());
+}
+
+Tensor WeightLoader::take(const std::string& name, const std::vector<int64_t>& shape) {
+  ckpt_.info(name);  // a missing tensor is reported before anything is allocated
+  Tensor out = Tensor::empty(arena_, shape, DType::kF32);
+  take_into(name, shape, out.data<float>());
+  return out;
+}
+
+Tensor WeightLoader::take_if_present(const std::string& name, const std::vector<int64_t>& shape) {
+  if (!strict_ && !ckpt_.contains(name)) return Tensor();
+  return take(name, shape);
+}
+
+void WeightLoader::finish() {
+  if (!strict_) return;
+  std::vector<std::string> unused;
+  for (const auto& name : ckpt_.names())
+    if (!taken_.count(name)) unused.push_back(name);
+  if (unused.empty()) return;
+  std::string list;
+  for (size_t i = 0; i < unused.size() && i < 3; ++i) list += (i ? ", '" : "'") + unused[i] + "'";
+  MOE_THROW(kShape, "unexpected tensor{} {}{} in checkpoint {} (strict loading)",
+            unused.size() > 1 ? "s" : "", list,
+            unused.size() > 3 ? fmt::format(" and {} more", unused.size() - 3) : "", ckpt_.dir());
+}
+
+}  // namespace moe

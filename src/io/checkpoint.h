@@ -1,0 +1,69 @@
+// A Hugging Face model directory's weights: model.safetensors, or the shards listed by
+// model.safetensors.index.json. Tensors are found by name across shards, converted once to the
+// compute layout (f32 on the CPU) and tracked, so that strict loading can report tensors that
+// were expected but missing, or present but never used.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "io/safetensors.h"
+
+namespace moe {
+
+class Checkpoint {
+ public:
+  // Opens every shard of the directory and validates their headers; throws kIo / kFormat.
+  explicit Checkpoint(const std::string& dir);
+
+  const std::string& dir() const { return dir_; }
+  bool contains(const std::string& name) const { return where_.count(name) != 0; }
+  const TensorInfo& info(const std::string& name) const;  // throws kShape naming a missing tensor
+  const void* data(const std::string& name) const;
+  // Every tensor name, sorted.
+  std::vector<std::string> names() const;
+  uint64_t total_bytes() const;     // bytes of tensor data on disk
+  uint64_t total_elements() const;  // parameters
+
+ private:
+  std::string dir_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, std::pair<const SafetensorsFile*, const TensorInfo*>> where_;
+};
+
+// Hands out tensors from a checkpoint, converted to f32 into the weights arena.
+class WeightLoader {
+ public:
+  // strict: every checkpoint tensor must be taken, and every request must be satisfied.
+  WeightLoader(const Checkpoint& ckpt, Arena& arena, bool strict);
+
+  // The tensor `name` converted to f32 with exactly `shape`; throws kShape naming the tensor when
+  // it is missing or its shape differs.
+  Tensor take(const std::string& name, const std::vector<int64_t>& shape);
+  // Converts the tensor into `dst` (which holds shape's element count of f32).
+  void take_into(const std::string& name, const std::vector<int64_t>& shape, float* dst);
+  // As take(), but returns an undefined Tensor when the tensor is absent and loading is not strict.
+  Tensor take_if_present(const std::string& name, const std::vector<int64_t>& shape);
+  // Marks a tensor as deliberately unused (e.g. an lm_head tied to the embedding).
+  void ignore(const std::string& name) { taken_.insert(name); }
+  // In strict mode, throws kShape naming the tensors that were never taken.
+  void finish();
+
+  uint64_t bytes_loaded() const { return bytes_loaded_; }
+  // Called as bytes are converted (for progress on a terminal).
+  std::function<void(uint64_t done, uint64_t total)> on_progress;
+
+ private:
+  const Checkpoint& ckpt_;
+  Arena& arena_;
+  bool strict_;
+  std::set<std::string> taken_;
+  uint64_t bytes_loaded_ = 0;
+};
+
+}  // namespace moe

@@ -1,0 +1,570 @@
+// Loading of Hugging Face tokenizer.json files into moe::Tokenizer (see tokenizer.h). Encoding and
+// decoding live in bpe.cpp.
+#include "io/tokenizer.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "io/tokenizer_impl.h"
+#include "io/unicode_util.h"
+#include "moe/errors.h"
+
+namespace moe {
+
+namespace {
+
+using json = nlohmann::json;
+
+// The GPT-2 pre-tokenizer regex that ByteLevel applies when use_regex is true.
+constexpr const char* kGpt2Pattern =
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+
+// Keeps library messages on one line.
+std::string one_line(std::string s) {
+  for (char& c : s)
+    if (c == '\n' || c == '\r') c = ' ';
+  if (s.size() > 300) s = s.substr(0, 300) + "...";
+  return s;
+}
+
+std::string type_of(const json& j) {
+  if (!j.is_object()) return "";
+  auto it = j.find("type");
+  return it != j.end() && it->is_string() ? it->get<std::string>() : "";
+}
+
+bool get_bool(const json& j, const char* key, bool fallback) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  return it->get<bool>();
+}
+
+
+// Parsed text of one merge: the two tokens concatenated, and where the second one starts.
+struct RawMerge {
+  std::string joined;
+  uint32_t split;
+};
+
+// SAX handler that builds the JSON document except for the two big members, model.vocab and
+// model.merges, which it streams straight into the vocabulary map and a merge list. That halves
+// the load time of a 150k-token file compared with building the full document.
+class TokenizerSax : public nlohmann::json_sax<json> {
+ public:
+  explicit TokenizerSax(tok::StringMap& vocab) : vocab_(vocab) {}
+
+  json root;
+  std::vector<RawMerge> merges;
+  bool have_vocab = false, have_merges = false;
+  std::string error;  // the first problem found, if any
+
+  bool null() override { return value(json()); }
+  bool boolean(bool v) override { return value(v); }
+  bool number_integer(number_integer_t v) override {
+    return mode() == Mode::kVocab ? vocab_entry(v) : value(v);
+  }
+  bool number_unsigned(number_unsigned_t v) override {
+    return mode() == Mode::kVocab ? vocab_entry(static_cast<int64_t>(std::min<uint64_t>(v, 1ull << 40)))
+                                  : value(v);
+  }
+  bool number_float(number_float_t v, const string_t&) override {
+    if (mode() == Mode::kVocab) return fail(fmt::format("vocab entry '{}' has a non-integer id", key_));
+    return value(v);
+  }
+  bool binary(binary_t&) override { return fail("unexpected binary value"); }
+  bool string(string_t& v) override {
+    switch (mode()) {
+      case Mode::kVocab:
+        return fail(fmt::format("vocab entry '{}' has a non-integer id", key_));
+      case Mode::kMerges: {
+        const size_t sp = v.find(' ');
+        if (sp == std::string::npos)
+          return fail(fmt::format("merge #{} '{}' is not of the form 'a b'", merges.size(), v));
+        v.erase(sp, 1);
+        merges.push_back({std::move(v), static_cast<uint32_t>(sp)});
+        return true;
+      }
+      case Mode::kMergePair:
+        if (pair_parts_ == 0) pair_split_ = static_cast<uint32_t>(v.size());
+        pair_text_ += v;
+        ++pair_parts_;
+        return true;
+      case Mode::kDom:
+        return value(v);
+    }
+    return true;
+  }
+  bool key(string_t& k) override {
+    key_ = std::move(k);
+    return true;
+  }
+  bool start_object(std::size_t) override {
+    if (mode() != Mode::kDom) return fail("merges must be strings or pairs of strings");
+    if (at_model_member("vocab")) {
+      have_vocab = true;
+      stack_.push_back({nullptr, Mode::kVocab, key_});
+      return true;
+    }
+    return open(json::object());
+  }
+  bool end_object() override {
+    stack_.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    if (mode() == Mode::kMerges) {
+      pair_text_.clear();
+      pair_parts_ = 0;
+      stack_.push_back({nullptr, Mode::kMergePair, {}});
+      return true;
+    }
+    if (mode() != Mode::kDom) return fail("merges must be strings or pairs of strings");
+    if (at_model_member("merges")) {
+      have_merges = true;
+      stack_.push_back({nullptr, Mode::kMerges, key_});
+      return true;
+    }
+    return open(json::array());
+  }
+  bool end_array() override {
+    if (mode() == Mode::kMergePair) {
+      if (pair_parts_ != 2)
+        return fail(fmt::format("merge #{} is not a pair of strings", merges.size()));
+      merges.push_back({std::move(pair_text_), pair_split_});
+      pair_text_.clear();
+    }
+    stack_.pop_back();
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override {
+    return fail(ex.what());
+  }
+
+ private:
+  enum class Mode { kDom, kVocab, kMerges, kMergePair };
+  struct Frame {
+    json* node;
+    Mode mode;
+    std::string key;  // the key this container was stored under in its parent
+  };
+
+  Mode mode() const { return stack_.empty() ? Mode::kDom : stack_.back().mode; }
+
+  // True when the container about to open is the member `name` of the top-level "model" object.
+  bool at_model_member(const char* name) const {
+    return stack_.size() == 2 && stack_[1].key == "model" && stack_[1].node &&
+           stack_[1].node->is_object() && key_ == name;
+  }
+
+  bool fail(std::string message) {
+    if (error.empty()) error = std::move(message);
+    return false;
+  }
+
+  bool vocab_entry(int64_t id) {
+    if (id < 0 || id >= (int64_t(1) << 30))
+      return fail(fmt::format("vocab entry '{}' has id {} out of range", key_, id));
+    vocab_.insert_or_assign(std::move(key_), static_cast<int32_t>(id));
+    return true;
+  }
+
+  json* place(json&& v) {
+    if (stack_.empty()) {
+      root = std::move(v);
+      return &root;
+    }
+    json* parent = stack_.back().node;
+    if (parent->is_array()) {
+      parent->push_back(std::move(v));
+      return &parent->back();
+    }
+    json& slot = (*parent)[key_];
+    slot = std::move(v);
+    return &slot;
+  }
+  bool value(json&& v) {
+    if (mode() == Mode::kMergePair) return fail("merges must be strings or pairs of strings");
+    if (mode() != Mode::kDom) return fail(fmt::format("unexpected value in {}", stack_.back().key));
+    place(std::move(v));
+    return true;
+  }
+  bool open(json&& container) {
+    std::string key = stack_.empty() || stack_.back().node->is_array() ? std::string() : key_;
+    json* node = place(std::move(container));
+    stack_.push_back({node, Mode::kDom, std::move(key)});
+    return true;
+  }
+
+  tok::StringMap& vocab_;
+  std::vector<Frame> stack_;
+  std::string key_;
+  std::string pair_text_;
+  uint32_t pair_split_ = 0;
+  int pair_parts_ = 0;
+};
+
+struct Loader {
+  Tokenizer::Impl& t;
+  const std::string& origin;
+  const TokenizerSax& sax;
+
+  void model(const json& m) {
+    MOE_CHECK(m.is_object(), kFormat, "{}: \"model\" is missing or not an object", origin);
+    std::string type = type_of(m);
+    if (type.empty() && sax.have_merges) type = "BPE";  // old files omit the type
+    if (type != "BPE")
+      MOE_THROW(kUnsupported, "{}: tokenizer model type '{}' is not supported (only BPE)", origin,
+                type.empty() ? "(none)" : type);
+    if (auto it = m.find("dropout"); it != m.end() && !it->is_null() && it->get<double>() > 0)
+      MOE_THROW(kUnsupported, "{}: BPE dropout is not supported", origin);
+    for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+      auto it = m.find(key);
+      if (it != m.end() && !it->is_null() && !it->get<std::string>().empty())
+        MOE_THROW(kUnsupported, "{}: BPE {} '{}' is not supported (byte-level BPE has none)",
+                  origin, key, it->get<std::string>());
+    }
+    t.ignore_merges = get_bool(m, "ignore_merges", false);
+    t.fuse_unk = get_bool(m, "fuse_unk", false);
+
+    MOE_CHECK(sax.have_vocab, kFormat, "{}: model \"vocab\" is missing or not an object", origin);
+    MOE_CHECK(sax.have_merges, kFormat, "{}: model \"merges\" is missing or not an array",
+              origin);
+
+    if (auto it = m.find("unk_token"); it != m.end() && !it->is_null()) {
+      const auto unk = it->get<std::string>();
+      auto v = t.vocab.find(unk);
+      MOE_CHECK(v != t.vocab.end(), kFormat, "{}: unk_token '{}' is not in the vocabulary", origin,
+                unk);
+      t.unk_id = v->second;
+    }
+
+    t.merges.reserve(sax.merges.size() * 2);
+    int32_t rank = 0;
+    for (const RawMerge& merge : sax.merges) {
+      const std::string_view joined = merge.joined;
+      const std::string_view a = joined.substr(0, merge.split), b = joined.substr(merge.split);
+      int32_t ids[3];
+      const std::string_view parts[3] = {a, b, joined};
+      for (int k = 0; k < 3; ++k) {
+        auto v = t.vocab.find(parts[k]);
+        MOE_CHECK(v != t.vocab.end(), kFormat,
+                  "{}: merge #{} '{} {}' uses token '{}' that is not in the vocabulary", origin,
+                  rank, a, b, parts[k]);
+        ids[k] = v->second;
+      }
+      // Like tokenizers' HashMap collect, a repeated pair keeps its last rank.
+      t.merges[Tokenizer::Impl::pair_key(ids[0], ids[1])] = {rank, ids[2]};
+      ++rank;
+    }
+
+    const auto& b2c = unicode::byte_to_char();
+    for (int b = 0; b < 256; ++b) {
+      std::string ch;
+      unicode::utf8_append(ch, b2c[b]);
+      auto v = t.vocab.find(ch);
+      t.byte_id[b] = v != t.vocab.end() ? v->second : t.unk_id;
+    }
+  }
+
+  void normalizer(const json& n) {
+    if (n.is_null()) return;
+    const std::string type = type_of(n);
+    if (type == "NFC") {
+      t.nfc = true;
+    } else if (type == "Sequence") {
+      auto it = n.find("normalizers");
+      MOE_CHECK(it != n.end() && it->is_array(), kFormat,
+                "{}: Sequence normalizer lacks \"normalizers\"", origin);
+      for (const json& sub : *it) normalizer(sub);
+    } else {
+      MOE_THROW(kUnsupported, "{}: normalizer type '{}' is not supported (NFC or none)", origin,
+                type.empty() ? one_line(n.dump()) : type);
+    }
+  }
+
+  static tok::SplitBehavior behavior(const std::string& name, const std::string& origin) {
+    if (name == "Isolated") return tok::SplitBehavior::kIsolated;
+    if (name == "Removed") return tok::SplitBehavior::kRemoved;
+    if (name == "MergedWithPrevious") return tok::SplitBehavior::kMergedWithPrevious;
+    if (name == "MergedWithNext") return tok::SplitBehavior::kMergedWithNext;
+    if (name == "Contiguous") return tok::SplitBehavior::kContiguous;
+    MOE_THROW(kFormat, "{}: unknown Split behavior '{}'", origin, name);
+  }
+
+  void pre_tokenizer(const json& p) {
+    const std::string type = type_of(p);
+    if (type == "Sequence") {
+      auto it = p.find("pretokenizers");
+      MOE_CHECK(it != p.end() && it->is_array(), kFormat,
+                "{}: Sequence pre-tokenizer lacks \"pretokenizers\"", origin);
+      for (const json& sub : *it) pre_tokenizer(sub);
+      return;
+    }
+    if (!t.pre_tokenizers.empty() &&
+        t.pre_tokenizers.back().kind == tok::PreTokenizer::Kind::kByteLevel)
+      MOE_THROW(kUnsupported, "{}: pre-tokenizer '{}' after ByteLevel is not supported", origin,
+                type);
+    tok::PreTokenizer pt;
+    if (type == "Split") {
+      auto pat = p.find("pattern");
+      MOE_CHECK(pat != p.end() && pat->is_object(), kFormat,
+                "{}: Split pre-tokenizer lacks a \"pattern\" object", origin);
+      if (auto r = pat->find("Regex"); r != pat->end())
+        pt.regex = std::make_unique<tok::Regex>(r->get<std::string>(), origin);
+      else if (auto s = pat->find("String"); s != pat->end())
+        pt.literal = s->get<std::string>();
+      else
+        MOE_THROW(kFormat, "{}: Split pattern is neither Regex nor String: {}", origin,
+                  one_line(pat->dump()));
+      pt.behavior = behavior(p.value("behavior", std::string("Isolated")), origin);
+      pt.invert = get_bool(p, "invert", false);
+    } else if (type == "Digits") {
+      // Digits splits on char::is_numeric (\p{N}); contiguous digits stay together unless
+      // individual_digits.
+      const bool individual = get_bool(p, "individual_digits", false);
+      pt.regex = std::make_unique<tok::Regex>(individual ? "\\p{N}" : "\\p{N}+", origin);
+    } else if (type == "ByteLevel") {
+      pt.kind = tok::PreTokenizer::Kind::kByteLevel;
+      pt.add_prefix_space = get_bool(p, "add_prefix_space", true);
+      if (get_bool(p, "use_regex", true)) pt.regex = std::make_unique<tok::Regex>(kGpt2Pattern, origin);
+    } else {
+      MOE_THROW(kUnsupported,
+                "{}: pre-tokenizer type '{}' is not supported (Sequence, Split, Digits, ByteLevel)",
+                origin, type.empty() ? one_line(p.dump()) : type);
+    }
+    t.pre_tokenizers.push_back(std::move(pt));
+  }
+
+  int32_t special_id(const std::string& name) {
+    auto it = t.added_by_content.find(name);
+    if (it != t.added_by_content.end()) return it->second;
+    auto v = t.vocab.find(name);
+    MOE_CHECK(v != t.vocab.end(), kFormat, "{}: post-processor token '{}' is not in the vocabulary",
+              origin, name);
+    return v->second;
+  }
+
+  void post_processor(const json& p) {
+    if (p.is_null()) return;
+    const std::string type = type_of(p);
+    std::vector<int32_t> prefix, suffix;
+    if (type == "ByteLevel") {
+      return;  // only adjusts offsets
+    } else if (type == "Sequence") {
+      auto it = p.find("processors");
+      MOE_CHECK(it != p.end() && it->is_array(), kFormat,
+                "{}: Sequence post-processor lacks \"processors\"", origin);
+      for (const json& sub : *it) post_processor(sub);
+      return;
+    } else if (type == "TemplateProcessing") {
+      auto single = p.find("single");
+      MOE_CHECK(single != p.end() && single->is_array(), kFormat,
+                "{}: TemplateProcessing lacks \"single\"", origin);
+      const json& specials = p.contains("special_tokens") ? p.at("special_tokens") : json::object();
+      bool seen_sequence = false;
+      for (const json& piece : *single) {
+        if (piece.contains("Sequence")) {
+          seen_sequence = true;
+          continue;
+        }
+        auto st = piece.find("SpecialToken");
+        MOE_CHECK(st != piece.end(), kFormat, "{}: TemplateProcessing piece {} is not understood",
+                  origin, one_line(piece.dump()));
+        const std::string name = st->at("id").get<std::string>();
+        std::vector<int32_t> ids;
+        if (auto s = specials.find(name); s != specials.end() && s->contains("ids")) {
+          for (const json& id : s->at("ids")) ids.push_back(id.get<int32_t>());
+        } else {
+          ids.push_back(special_id(name));
+        }
+        auto& dst = seen_sequence ? suffix : prefix;
+        dst.insert(dst.end(), ids.begin(), ids.end());
+      }
+    } else if (type == "BertProcessing" || type == "RobertaProcessing") {
+      prefix.push_back(p.at("cls").at(1).get<int32_t>());
+      suffix.push_back(p.at("sep").at(1).get<int32_t>());
+    } else {
+      MOE_THROW(kUnsupported,
+                "{}: post-processor type '{}' is not supported (TemplateProcessing, Bert, Roberta, "
+                "ByteLevel, Sequence)",
+                origin, type.empty() ? one_line(p.dump()) : type);
+    }
+    // A later processor wraps the result of an earlier one.
+    t.prefix_ids.insert(t.prefix_ids.begin(), prefix.begin(), prefix.end());
+    t.suffix_ids.insert(t.suffix_ids.end(), suffix.begin(), suffix.end());
+  }
+
+  void decoder(const json& d) {
+    const std::string type = type_of(d);
+    if (type == "ByteLevel") return;
+    if (type == "Sequence") {
+      auto it = d.find("decoders");
+      MOE_CHECK(it != d.end() && it->is_array() && !it->empty(), kFormat,
+                "{}: Sequence decoder lacks \"decoders\"", origin);
+      for (const json& sub : *it) decoder(sub);
+      return;
+    }
+    MOE_THROW(kUnsupported, "{}: decoder type '{}' is not supported (only ByteLevel)", origin,
+              d.is_null() ? "null" : type.empty() ? one_line(d.dump()) : type);
+  }
+
+  void added_tokens(const json& a) {
+    if (a.is_null()) return;
+    MOE_CHECK(a.is_array(), kFormat, "{}: \"added_tokens\" is not an array", origin);
+    for (const json& e : a) {
+      tok::AddedToken tk;
+      tk.id = e.at("id").get<int32_t>();
+      tk.content = e.at("content").get<std::string>();
+      MOE_CHECK(tk.id >= 0 && tk.id < (1 << 30), kFormat, "{}: added token '{}' has id {} out of range",
+                origin, tk.content, tk.id);
+      tk.single_word = get_bool(e, "single_word", false);
+      tk.lstrip = get_bool(e, "lstrip", false);
+      tk.rstrip = get_bool(e, "rstrip", false);
+      tk.normalized = get_bool(e, "normalized", !get_bool(e, "special", false));
+      tk.special = get_bool(e, "special", false);
+      t.added_by_content[tk.content] = tk.id;
+      t.added.push_back(std::move(tk));
+    }
+  }
+
+  void finish() {
+    for (size_t i = 0; i < t.added.size(); ++i) {
+      const tok::AddedToken& tk = t.added[i];
+      if (tk.content.empty()) continue;
+      if (tk.normalized)
+        t.normalized_trie.insert(t.nfc ? unicode::nfc(tk.content) : tk.content,
+                                 static_cast<int32_t>(i));
+      else
+        t.raw_trie.insert(tk.content, static_cast<int32_t>(i));
+    }
+    int32_t max_id = -1;
+    for (const auto& [token, id] : t.vocab) max_id = std::max(max_id, id);
+    for (const auto& tk : t.added) max_id = std::max(max_id, tk.id);
+    const size_t n = static_cast<size_t>(max_id + 1);
+    t.id_token.assign(n, {});
+    t.id_known.assign(n, 0);
+    t.id_special.assign(n, 0);
+    for (const auto& [token, id] : t.vocab) {
+      t.id_token[id] = token;
+      t.id_known[id] = 1;
+    }
+    for (const auto& tk : t.added) {  // the added vocabulary wins, as in tokenizers
+      t.id_token[tk.id] = tk.content;
+      t.id_known[tk.id] = 1;
+      t.id_special[tk.id] = tk.special ? 1 : 0;
+    }
+    // ByteLevel decoding: each character of a token is mapped back to its byte; a token with a
+    // character outside the byte alphabet (e.g. DeepSeek's "<｜begin▁of▁sentence｜>") is taken as
+    // its UTF-8 text, as tokenizers' ByteLevel decoder does.
+    std::array<int16_t, 512> c2b;  // the byte alphabet lies below U+0200
+    c2b.fill(-1);
+    const auto& b2c = unicode::byte_to_char();
+    for (int b = 0; b < 256; ++b) c2b[b2c[b]] = static_cast<int16_t>(b);
+    t.id_bytes.assign(n, {});
+    for (size_t id = 0; id < n; ++id) {
+      const std::string& token = t.id_token[id];
+      std::string bytes;
+      bytes.reserve(token.size());
+      bool mapped = true;
+      for (size_t i = 0; i < token.size();) {
+        const size_t len = unicode::utf8_valid_len(token, i);
+        if (!len) {
+          mapped = false;
+          break;
+        }
+        const char32_t cp = unicode::utf8_decode(token, i, len);
+        if (cp >= c2b.size() || c2b[cp] < 0) {
+          mapped = false;
+          break;
+        }
+        bytes.push_back(static_cast<char>(c2b[cp]));
+        i += len;
+      }
+      t.id_bytes[id] = mapped ? std::move(bytes) : token;
+    }
+  }
+};
+
+}  // namespace
+
+Tokenizer Tokenizer::from_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) MOE_THROW(kIo, "cannot open tokenizer file '{}': {}", path, std::strerror(errno));
+  std::string text;
+  in.seekg(0, std::ios::end);
+  const std::streamoff size = in.tellg();
+  in.seekg(0, std::ios::beg);
+  if (size > 0) {
+    text.resize(static_cast<size_t>(size));
+    in.read(text.data(), size);
+  }
+  if (size < 0 || in.bad() || (size > 0 && in.gcount() != size))
+    MOE_THROW(kIo, "cannot read tokenizer file '{}': {}", path, std::strerror(errno));
+  return from_json_text(text, path);
+}
+
+Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& origin) {
+  auto impl = std::make_shared<Impl>();
+  impl->origin = origin;
+  impl->vocab.reserve(1 << 18);
+  TokenizerSax sax(impl->vocab);
+  bool ok = false;
+  try {
+    ok = json::sax_parse(text.begin(), text.end(), &sax);
+  } catch (const json::exception& e) {
+    sax.error = e.what();
+  }
+  if (!ok || !sax.error.empty())
+    MOE_THROW(kFormat, "{}: malformed tokenizer JSON: {}", origin,
+              one_line(sax.error.empty() ? "parse failed" : sax.error));
+  const json& j = sax.root;
+  MOE_CHECK(j.is_object(), kFormat, "{}: tokenizer JSON is not an object", origin);
+  Loader loader{*impl, origin, sax};
+  try {
+    loader.model(j.contains("model") ? j.at("model") : json());
+    loader.added_tokens(j.contains("added_tokens") ? j.at("added_tokens") : json());
+    loader.normalizer(j.contains("normalizer") ? j.at("normalizer") : json());
+    const json pre = j.contains("pre_tokenizer") ? j.at("pre_tokenizer") : json();
+    if (!pre.is_null()) loader.pre_tokenizer(pre);
+    if (impl->pre_tokenizers.empty() ||
+        impl->pre_tokenizers.back().kind != tok::PreTokenizer::Kind::kByteLevel)
+      MOE_THROW(kUnsupported,
+                "{}: pre-tokenizer does not end with ByteLevel; only byte-level BPE is supported",
+                origin);
+    loader.post_processor(j.contains("post_processor") ? j.at("post_processor") : json());
+    loader.decoder(j.contains("decoder") ? j.at("decoder") : json());
+    loader.finish();
+  } catch (const json::exception& e) {
+    MOE_THROW(kFormat, "{}: unexpected tokenizer JSON content: {}", origin, one_line(e.what()));
+  }
+  return Tokenizer(std::move(impl));
+}
+
+int32_t Tokenizer::vocab_size() const { return static_cast<int32_t>(impl_->id_known.size()); }
+
+std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const {
+  if (auto it = impl_->added_by_content.find(token); it != impl_->added_by_content.end())
+    return it->second;
+  if (auto it = impl_->vocab.find(token); it != impl_->vocab.end()) return it->second;
+  return std::nullopt;
+}
+
+std::string Tokenizer::id_to_token(int32_t id) const {
+  impl_->check_id(id);
+  return impl_->id_token[id];
+}
+
+bool Tokenizer::is_special(int32_t id) const {
+  return id >= 0 && static_cast<size_t>(id) < impl_->id_special.size() && impl_->id_special[id];
+}
+
+std::string_view Tokenizer::token_bytes(int32_t id) const {
+  impl_->check_id(id);
+  return impl_->id_bytes[id];
+}
+
+}  // namespace moe

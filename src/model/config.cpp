@@ -1,0 +1,120 @@
+#include "model/config.h"
+
+#include <filesystem>
+
+#include "model/registry.h"
+
+namespace moe {
+
+namespace fs = std::filesystem;
+
+int64_t ModelConfig::num_moe_layers() const {
+  int64_t n = 0;
+  for (bool b : moe_layers) n += b;
+  return n;
+}
+
+int64_t ModelConfig::parameter_count() const {
+  int64_t h = hidden_size;
+  int64_t attn = h * (num_heads * head_dim) * 2 + h * (num_kv_heads * head_dim) * 2;
+  if (attention_bias) attn += (num_heads + 2 * num_kv_heads) * head_dim;
+  if (qk_norm) attn += 2 * head_dim;
+  int64_t dense = 3 * h * intermediate_size;
+  int64_t sparse = moe.num_experts * 3 * h * moe.intermediate_size + moe.num_experts * h;
+  int64_t total = vocab_size * h * (tie_word_embeddings ? 1 : 2) + h;
+  for (int64_t l = 0; l < num_layers; ++l)
+    total += attn + 2 * h + (moe_layers[static_cast<size_t>(l)] ? sparse : dense);
+  return total;
+}
+
+void parse_decoder_common(const HfConfig& cfg, ModelConfig& mc) {
+  mc.vocab_size = cfg.get<int64_t>({"vocab_size"});
+  mc.hidden_size = cfg.get<int64_t>({"hidden_size", "d_model", "n_embd"});
+  mc.num_layers = cfg.get<int64_t>({"num_hidden_layers", "num_layers", "n_layer"});
+  mc.num_heads = cfg.get<int64_t>({"num_attention_heads", "n_head"});
+  mc.num_kv_heads = cfg.get_or<int64_t>({"num_key_value_heads", "num_kv_heads"}, mc.num_heads);
+  mc.head_dim = cfg.get_or<int64_t>({"head_dim"}, mc.num_heads ? mc.hidden_size / mc.num_heads : 0);
+  mc.intermediate_size = cfg.get_or<int64_t>({"intermediate_size", "ffn_dim"}, 0);
+  mc.max_position_embeddings = cfg.get_or<int64_t>({"max_position_embeddings"}, 4096);
+  mc.rms_norm_eps = cfg.get_or<float>({"rms_norm_eps", "layer_norm_epsilon"}, 1e-6f);
+  mc.rope_theta = cfg.get_or<float>({"rope_theta", "rope_parameters.rope_theta"}, 10000.0f);
+  mc.tie_word_embeddings = cfg.get_or<bool>({"tie_word_embeddings"}, false);
+  mc.attention_bias = cfg.get_or<bool>({"attention_bias"}, false);
+  // Only plain rotary embeddings exist so far; refuse scaled variants rather than run them wrong.
+  std::string rope_type =
+      cfg.get_or<std::string>({"rope_parameters.rope_type", "rope_scaling.rope_type",
+                               "rope_scaling.type"},
+                              "default");
+  MOE_CHECK(rope_type == "default", kUnsupported,
+            "{}: rope type '{}' is not supported yet (only 'default')", cfg.origin(), rope_type);
+  if (const auto* eos = cfg.find({"eos_token_id"})) {
+    if (eos->is_array())
+      for (const auto& e : *eos) mc.eos_token_ids.push_back(e.get<int32_t>());
+    else if (eos->is_number_integer())
+      mc.eos_token_ids.push_back(eos->get<int32_t>());
+  }
+  mc.bos_token_id = cfg.get_or<int32_t>({"bos_token_id"}, -1);
+}
+
+void validate_model_config(const ModelConfig& mc, const std::string& origin) {
+  auto positive = [&](int64_t v, const char* name) {
+    MOE_CHECK(v > 0, kConfig, "{}: {} must be positive, got {}", origin, name, v);
+  };
+  positive(mc.vocab_size, "vocab_size");
+  positive(mc.hidden_size, "hidden_size");
+  positive(mc.num_layers, "num_hidden_layers");
+  positive(mc.num_heads, "num_attention_heads");
+  positive(mc.num_kv_heads, "num_key_value_heads");
+  positive(mc.head_dim, "head_dim");
+  MOE_CHECK(mc.head_dim % 2 == 0, kConfig, "{}: head_dim {} must be even for rotary embeddings",
+            origin, mc.head_dim);
+  MOE_CHECK(mc.num_heads % mc.num_kv_heads == 0, kConfig,
+            "{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", origin,
+            mc.num_heads, mc.num_kv_heads);
+  MOE_CHECK(static_cast<int64_t>(mc.moe_layers.size()) == mc.num_layers, kInternal,
+            "{}: layer kinds not set for every layer", origin);
+  bool any_dense = false;
+  for (bool b : mc.moe_layers) any_dense |= !b;
+  if (any_dense) positive(mc.intermediate_size, "intermediate_size");
+  if (mc.num_moe_layers() > 0) {
+    positive(mc.moe.num_experts, "the number of experts");
+    positive(mc.moe.intermediate_size, "the expert intermediate size");
+    MOE_CHECK(mc.moe.top_k > 0 && mc.moe.top_k <= mc.moe.num_experts, kConfig,
+              "{}: num_experts_per_tok {} must be in [1, {}]", origin, mc.moe.top_k,
+              mc.moe.num_experts);
+  }
+  for (int32_t id : mc.eos_token_ids)
+    MOE_CHECK(id >= 0, kConfig, "{}: negative eos_token_id {}", origin, id);
+}
+
+ModelConfig load_model_config(const std::string& dir) {
+  MOE_CHECK(fs::is_directory(dir), kIo, "model directory {} does not exist", dir);
+  std::string path = (fs::path(dir) / "config.json").string();
+  HfConfig cfg = HfConfig::from_file(path);
+  const auto* archs = cfg.find({"architectures"});
+  MOE_CHECK(archs && archs->is_array() && !archs->empty() && (*archs)[0].is_string(), kConfig,
+            "{}: missing key 'architectures' (a list naming the model class)", path);
+  std::string arch = (*archs)[0].get<std::string>();
+  const Architecture* spec = find_architecture(arch);
+  MOE_CHECK(spec != nullptr, kUnsupported, "{}: unknown architecture '{}' (supported: {})", path,
+            arch, supported_architectures());
+  ModelConfig mc;
+  mc.architecture = arch;
+  spec->parse(cfg, mc);
+  // generation_config.json's stop tokens take precedence, as in transformers' generate().
+  std::string gen_path = (fs::path(dir) / "generation_config.json").string();
+  if (fs::exists(gen_path)) {
+    HfConfig gen = HfConfig::from_file(gen_path);
+    if (const auto* eos = gen.find({"eos_token_id"})) {
+      mc.eos_token_ids.clear();
+      if (eos->is_array())
+        for (const auto& e : *eos) mc.eos_token_ids.push_back(e.get<int32_t>());
+      else if (eos->is_number_integer())
+        mc.eos_token_ids.push_back(eos->get<int32_t>());
+    }
+  }
+  validate_model_config(mc, path);
+  return mc;
+}
+
+}  // namespace moe

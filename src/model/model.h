@@ -1,0 +1,64 @@
+// A decoder-only model on the CPU: loads a Hugging Face directory and runs forwards that extend a
+// KV cache. The public entry point of the engine (the tools and tests use only this and the
+// tokenizer).
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/thread_pool.h"
+#include "model/config.h"
+#include "model/weights.h"
+#include "runtime/kv_cache.h"
+
+namespace moe {
+
+struct LoadOptions {
+  bool strict = true;     // every tensor must be used and present
+  int threads = 0;        // CPU threads; 0 = all hardware threads
+  bool progress = false;  // draw a progress line on stderr when it is a terminal
+};
+
+class Model {
+ public:
+  // Validates the config first, then maps the weights and converts them to the compute layout.
+  static std::unique_ptr<Model> load(const std::string& dir, const LoadOptions& opts = {});
+
+  const ModelConfig& config() const { return config_; }
+  const std::string& dir() const { return dir_; }
+
+  // A cache for up to `capacity` tokens (0: the model's max_position_embeddings).
+  KvCache new_cache(int64_t capacity = 0) const;
+
+  // Runs `ids` at positions [cache.length(), cache.length() + T), appends them to the cache and
+  // returns f32 logits: [T, vocab] when all_logits, else [1, vocab] for the last position.
+  // Throws kInvalidArgument for an empty input, an id outside the vocabulary or a full cache.
+  Tensor forward(std::span<const int32_t> ids, KvCache& cache, bool all_logits = false);
+
+  size_t weight_bytes() const { return weights_arena_.used(); }
+  size_t workspace_bytes() const { return workspace_.high_water(); }
+  // Tokens routed to each expert of each sparse layer since load (layer -> expert -> count).
+  const std::vector<std::vector<int64_t>>& expert_tokens() const { return expert_tokens_; }
+  ThreadPool& pool() { return pool_; }
+
+ private:
+  Model(std::string dir, ModelConfig config, int threads);
+  void attention(int64_t layer, const Tensor& h, const std::vector<int32_t>& positions,
+                 KvCache& cache, Tensor& out);
+  void dense_ffn(const FfnWeights& w, const Tensor& h, Tensor& out);
+  void sparse_ffn(int64_t layer, const Tensor& h, Tensor& out);
+
+  std::string dir_;
+  ModelConfig config_;
+  ThreadPool pool_;
+  Arena weights_arena_;
+  Arena workspace_;
+  ModelWeights weights_;
+  std::vector<float> inv_freq_;
+  std::vector<std::vector<int64_t>> expert_tokens_;
+};
+
+}  // namespace moe

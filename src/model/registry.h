@@ -1,0 +1,25 @@
+// The architectures the engine knows, by the class name config.json gives in "architectures".
+// Each architecture lives in its own file (arch_*.cpp) and only describes its config and tensor
+// names; the shared blocks do the computing. Adding one is a new file and a line in registry.cpp.
+#pragma once
+
+#include <string>
+
+#include "model/config.h"
+
+namespace moe {
+
+struct Architecture {
+  const char* name;
+  void (*parse)(const HfConfig& cfg, ModelConfig& mc);
+};
+
+const Architecture* find_architecture(const std::string& name);
+std::string supported_architectures();  // comma-separated, for error messages
+
+// Parsers defined in the arch_*.cpp files.
+void parse_qwen3(const HfConfig& cfg, ModelConfig& mc);
+void parse_qwen3_moe(const HfConfig& cfg, ModelConfig& mc);
+void parse_mixtral(const HfConfig& cfg, ModelConfig& mc);
+
+}  // namespace moe

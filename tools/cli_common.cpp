@@ -1,0 +1,64 @@
+#include "cli_common.h"
+
+#include <cstdio>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "moe/errors.h"
+
+namespace moe::cli {
+
+int guarded(const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.message().c_str());
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "error: out of memory\n");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+  }
+  return 1;
+}
+
+std::vector<int32_t> parse_ids(const std::string& text) {
+  std::vector<int32_t> ids;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t comma = text.find(',', start);
+    std::string item = text.substr(start, comma == std::string::npos ? comma : comma - start);
+    size_t first = item.find_first_not_of(" \t"), last = item.find_last_not_of(" \t");
+    item = first == std::string::npos ? "" : item.substr(first, last - first + 1);
+    if (!item.empty() || comma != std::string::npos) {
+      size_t used = 0;
+      long long value = 0;
+      try {
+        value = std::stoll(item, &used);
+      } catch (...) {
+        used = 0;
+      }
+      MOE_CHECK(!item.empty() && used == item.size() && value >= INT32_MIN && value <= INT32_MAX,
+                kInvalidArgument, "'{}' is not a token id (expected integers like 3,17,42)", item);
+      ids.push_back(static_cast<int32_t>(value));
+    }
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return ids;
+}
+
+std::string tokenizer_path(const std::string& model_dir, const std::string& explicit_path) {
+  namespace fs = std::filesystem;
+  std::string path = explicit_path.empty() ? (fs::path(model_dir) / "tokenizer.json").string()
+                                           : explicit_path;
+  MOE_CHECK(fs::is_regular_file(path), kIo,
+            "no tokenizer at {} (pass --tokenizer FILE; for the bundled demo model run "
+            "scripts/fetch_tokenizers.sh)",
+            path);
+  return path;
+}
+
+std::string format_float(float value) { return fmt::format("{}", value); }
+
+}  // namespace moe::cli

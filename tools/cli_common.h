@@ -1,0 +1,23 @@
+// Pieces shared by the command-line tools: the error boundary, list parsing, tokenizer lookup.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace moe::cli {
+
+// Runs `body`, turning any exception into one line "error: ..." on stderr and exit code 1.
+int guarded(const std::function<int()>& body);
+
+// "3,17,42" -> {3, 17, 42}; throws kInvalidArgument naming the bad item.
+std::vector<int32_t> parse_ids(const std::string& text);
+
+// The tokenizer.json to use: `explicit_path` if given, else <model_dir>/tokenizer.json; throws
+// kIo with a hint when neither exists.
+std::string tokenizer_path(const std::string& model_dir, const std::string& explicit_path);
+
+// Shortest text that reads back as the same f32.
+std::string format_float(float value);
+
+}  // namespace moe::cli

@@ -1,0 +1,225 @@
+// moe-cli: generate text, dump logits, tokenize and inspect a Hugging Face MoE checkpoint.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "cli_common.h"
+#include "io/chat_template.h"
+#include "io/checkpoint.h"
+#include "io/tokenizer.h"
+#include "model/model.h"
+#include "moe/errors.h"
+#include "runtime/sampler.h"
+
+namespace fs = std::filesystem;
+using namespace moe;
+
+namespace {
+
+struct Common {
+  std::string model_dir;
+  std::string tokenizer;
+  int threads = 0;
+};
+
+void add_common(CLI::App* cmd, Common& c, bool tokenizer) {
+  cmd->add_option("-m,--model", c.model_dir, "Hugging Face model directory")->required();
+  cmd->add_option("-t,--threads", c.threads, "CPU threads (0: all)")->check(CLI::NonNegativeNumber);
+  if (tokenizer)
+    cmd->add_option("--tokenizer", c.tokenizer, "tokenizer.json (default: the model directory's)");
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+int run_generate(const Common& c, const std::string& prompt, int n, const SamplingParams& sp,
+                 bool chat, bool ignore_eos, int64_t ctx) {
+  MOE_CHECK(!prompt.empty(), kInvalidArgument, "empty prompt: pass some text with -p");
+  MOE_CHECK(n >= 0, kInvalidArgument, "-n must be >= 0, got {}", n);
+  validate_sampling(sp);
+  Tokenizer tok = Tokenizer::from_file(cli::tokenizer_path(c.model_dir, c.tokenizer));
+  std::string text = prompt;
+  if (chat) {
+    fs::path config = fs::path(cli::tokenizer_path(c.model_dir, c.tokenizer)).parent_path() /
+                      "tokenizer_config.json";
+    text = ChatTemplate::from_tokenizer_config(config.string()).render({{"user", prompt}}, true);
+  }
+  std::vector<int32_t> ids = tok.encode(text, /*add_special=*/true);
+  MOE_CHECK(!ids.empty(), kInvalidArgument, "the prompt encodes to no tokens");
+  LoadOptions lo;
+  lo.threads = c.threads;
+  lo.progress = true;
+  auto model = Model::load(c.model_dir, lo);
+  const ModelConfig& mc = model->config();
+  int64_t capacity = ctx > 0 ? ctx : std::min<int64_t>(mc.max_position_embeddings, 
+                                                       static_cast<int64_t>(ids.size()) + n);
+  MOE_CHECK(static_cast<int64_t>(ids.size()) + n <= capacity, kInvalidArgument,
+            "prompt ({} tokens) + {} new tokens exceed the context of {} tokens", ids.size(), n,
+            capacity);
+  KvCache cache = model->new_cache(capacity);
+  Sampler sampler(sp);
+  StreamDecoder stream(tok, /*skip_special=*/false);
+
+  auto t0 = std::chrono::steady_clock::now();
+  Tensor logits = model->forward(ids, cache);
+  double prompt_s = seconds_since(t0);
+  auto t1 = std::chrono::steady_clock::now();
+  int generated = 0;
+  for (; generated < n; ++generated) {
+    int32_t next = sampler.sample(logits.data<float>(), mc.vocab_size);
+    bool stop = !ignore_eos && std::find(mc.eos_token_ids.begin(), mc.eos_token_ids.end(), next) !=
+                                   mc.eos_token_ids.end();
+    if (stop) break;
+    std::string piece = stream.push(next);
+    std::fwrite(piece.data(), 1, piece.size(), stdout);
+    std::fflush(stdout);
+    if (generated + 1 < n) {
+      std::vector<int32_t> one{next};
+      logits = model->forward(one, cache);
+    }
+  }
+  std::string rest = stream.flush();
+  std::fwrite(rest.data(), 1, rest.size(), stdout);
+  std::fputc('\n', stdout);
+  double gen_s = seconds_since(t1);
+  std::fprintf(stderr, "prompt: %zu tokens, %.1f tok/s | generation: %d tokens, %.1f tok/s\n",
+               ids.size(), ids.size() / prompt_s, generated,
+               generated > 0 ? generated / gen_s : 0.0);
+  return 0;
+}
+
+int run_logits(const Common& c, const std::string& ids_text) {
+  std::vector<int32_t> ids = cli::parse_ids(ids_text);
+  MOE_CHECK(!ids.empty(), kInvalidArgument, "empty prompt: --ids needs at least one token id");
+  LoadOptions lo;
+  lo.threads = c.threads;
+  lo.progress = true;
+  auto model = Model::load(c.model_dir, lo);
+  KvCache cache = model->new_cache(static_cast<int64_t>(ids.size()));
+  Tensor logits = model->forward(ids, cache, /*all_logits=*/true);
+  const int64_t t = logits.dim(0), v = logits.dim(1);
+  std::string out = fmt::format("{{\"shape\":[{},{}],\"logits\":[", t, v);
+  for (int64_t i = 0; i < t; ++i) {
+    out += i ? ",[" : "[";
+    for (int64_t j = 0; j < v; ++j) {
+      if (j) out += ',';
+      out += cli::format_float(logits.data<float>()[i * v + j]);
+    }
+    out += ']';
+  }
+  out += "]}\n";
+  std::fwrite(out.data(), 1, out.size(), stdout);
+  return 0;
+}
+
+int run_tokenize(const Common& c, const std::string& text, bool special) {
+  Tokenizer tok = Tokenizer::from_file(cli::tokenizer_path(c.model_dir, c.tokenizer));
+  std::vector<int32_t> ids = tok.encode(text, special);
+  std::string out = "[";
+  for (size_t i = 0; i < ids.size(); ++i) out += (i ? "," : "") + std::to_string(ids[i]);
+  std::printf("%s]\n", out.c_str());
+  return 0;
+}
+
+int run_detokenize(const Common& c, const std::string& ids_text) {
+  Tokenizer tok = Tokenizer::from_file(cli::tokenizer_path(c.model_dir, c.tokenizer));
+  std::string text = tok.decode(cli::parse_ids(ids_text));
+  std::printf("%s\n", text.c_str());
+  return 0;
+}
+
+int run_info(const Common& c) {
+  ModelConfig mc = load_model_config(c.model_dir);
+  Checkpoint ckpt(c.model_dir);
+  std::map<std::string, uint64_t> by_dtype;
+  for (const auto& name : ckpt.names()) {
+    const TensorInfo& t = ckpt.info(name);
+    by_dtype[dtype_name(t.dtype)] += t.end - t.begin;
+  }
+  std::string dtypes;
+  for (const auto& [d, b] : by_dtype) dtypes += fmt::format("{}{} {:.3f} GB", dtypes.empty() ? "" : ", ", d, b / 1e9);
+  const int64_t sparse = mc.num_moe_layers();
+  std::printf("architecture: %s\n", mc.architecture.c_str());
+  std::printf("layers: %lld (%lld sparse MoE, %lld dense)\n", (long long)mc.num_layers,
+              (long long)sparse, (long long)(mc.num_layers - sparse));
+  std::printf("hidden: %lld, heads: %lld q / %lld kv x %lld, vocab: %lld, context: %lld\n",
+              (long long)mc.hidden_size, (long long)mc.num_heads, (long long)mc.num_kv_heads,
+              (long long)mc.head_dim, (long long)mc.vocab_size,
+              (long long)mc.max_position_embeddings);
+  if (sparse > 0)
+    std::printf("experts: %lld, top-k: %lld, expert intermediate: %lld, norm_topk_prob: %s\n",
+                (long long)mc.moe.num_experts, (long long)mc.moe.top_k,
+                (long long)mc.moe.intermediate_size, mc.moe.norm_topk_prob ? "true" : "false");
+  if (mc.num_layers > sparse)
+    std::printf("dense intermediate: %lld\n", (long long)mc.intermediate_size);
+  std::printf("parameters: %lld in the checkpoint (%.3f B), %lld implied by the config\n",
+              (long long)ckpt.total_elements(), ckpt.total_elements() / 1e9,
+              (long long)mc.parameter_count());
+  std::printf("bytes: %.3f GB on disk (%s); %.3f GB as f32 on the CPU\n", ckpt.total_bytes() / 1e9,
+              dtypes.c_str(), mc.parameter_count() * 4.0 / 1e9);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"moe-cli: run Mixture-of-Experts models from Hugging Face checkpoints"};
+  app.require_subcommand(1);
+  Common common;
+
+  auto* gen = app.add_subcommand("generate", "generate text from a prompt");
+  add_common(gen, common, true);
+  std::string prompt;
+  int n = 64;
+  SamplingParams sp;
+  bool chat = false, ignore_eos = false;
+  int64_t ctx = 0;
+  gen->add_option("-p,--prompt", prompt, "prompt text")->required();
+  gen->add_option("-n,--n-predict", n, "tokens to generate")->capture_default_str();
+  gen->add_option("--temp", sp.temperature, "temperature (0: greedy)")->capture_default_str();
+  gen->add_option("--top-k", sp.top_k, "keep the k most likely tokens (0: all)")->capture_default_str();
+  gen->add_option("--top-p", sp.top_p, "nucleus sampling threshold")->capture_default_str();
+  gen->add_option("--seed", sp.seed, "sampling seed")->capture_default_str();
+  gen->add_flag("--chat", chat, "wrap the prompt in the model's chat template");
+  gen->add_flag("--ignore-eos", ignore_eos, "keep generating past end-of-sequence tokens");
+  gen->add_option("--ctx", ctx, "KV cache capacity in tokens (default: prompt + n)");
+
+  auto* logits = app.add_subcommand("logits", "print the logits of every position as JSON");
+  add_common(logits, common, false);
+  std::string ids_text;
+  logits->add_option("--ids", ids_text, "comma-separated token ids, e.g. 3,17,42")->required();
+
+  auto* tokenize = app.add_subcommand("tokenize", "print the token ids of a text as JSON");
+  add_common(tokenize, common, true);
+  std::string text;
+  bool special = false;
+  tokenize->add_option("--text", text, "text to encode")->required();
+  tokenize->add_flag("--add-special", special, "apply the tokenizer's post-processor (e.g. BOS)");
+
+  auto* detok = app.add_subcommand("detokenize", "print the text of comma-separated token ids");
+  add_common(detok, common, true);
+  detok->add_option("--ids", ids_text, "comma-separated token ids")->required();
+
+  auto* info = app.add_subcommand("info", "describe a checkpoint without loading its weights");
+  add_common(info, common, false);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return cli::guarded([&] {
+    if (*gen) return run_generate(common, prompt, n, sp, chat, ignore_eos, ctx);
+    if (*logits) return run_logits(common, ids_text);
+    if (*tokenize) return run_tokenize(common, text, special);
+    if (*detok) return run_detokenize(common, ids_text);
+    return run_info(common);
+  });
+}
