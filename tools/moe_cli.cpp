@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "backend/device_info.h"
 #include "cli_common.h"
 #include "io/chat_template.h"
 #include "io/checkpoint.h"
@@ -26,7 +27,24 @@ struct Common {
   std::string model_dir;
   std::string tokenizer;
   int threads = 0;
+  bool random_weights = false;
+  uint64_t weights_seed = 0;
+
+  LoadOptions load_options() const {
+    LoadOptions lo;
+    lo.threads = threads;
+    lo.progress = true;
+    lo.random_weights = random_weights;
+    lo.seed = weights_seed;
+    return lo;
+  }
 };
+
+void add_weight_flags(CLI::App* cmd, Common& c) {
+  cmd->add_flag("--random-weights", c.random_weights,
+                "ignore the checkpoint: random weights of the config's shapes");
+  cmd->add_option("--weights-seed", c.weights_seed, "seed of --random-weights")->capture_default_str();
+}
 
 void add_common(CLI::App* cmd, Common& c, bool tokenizer) {
   cmd->add_option("-m,--model", c.model_dir, "Hugging Face model directory")->required();
@@ -53,10 +71,7 @@ int run_generate(const Common& c, const std::string& prompt, int n, const Sampli
   }
   std::vector<int32_t> ids = tok.encode(text, /*add_special=*/true);
   MOE_CHECK(!ids.empty(), kInvalidArgument, "the prompt encodes to no tokens");
-  LoadOptions lo;
-  lo.threads = c.threads;
-  lo.progress = true;
-  auto model = Model::load(c.model_dir, lo);
+  auto model = Model::load(c.model_dir, c.load_options());
   const ModelConfig& mc = model->config();
   int64_t capacity = ctx > 0 ? ctx : std::min<int64_t>(mc.max_position_embeddings, 
                                                        static_cast<int64_t>(ids.size()) + n);
@@ -98,10 +113,7 @@ int run_generate(const Common& c, const std::string& prompt, int n, const Sampli
 int run_logits(const Common& c, const std::string& ids_text) {
   std::vector<int32_t> ids = cli::parse_ids(ids_text);
   MOE_CHECK(!ids.empty(), kInvalidArgument, "empty prompt: --ids needs at least one token id");
-  LoadOptions lo;
-  lo.threads = c.threads;
-  lo.progress = true;
-  auto model = Model::load(c.model_dir, lo);
+  auto model = Model::load(c.model_dir, c.load_options());
   KvCache cache = model->new_cache(static_cast<int64_t>(ids.size()));
   Tensor logits = model->forward(ids, cache, /*all_logits=*/true);
   const int64_t t = logits.dim(0), v = logits.dim(1);
@@ -137,14 +149,20 @@ int run_detokenize(const Common& c, const std::string& ids_text) {
 
 int run_info(const Common& c) {
   ModelConfig mc = load_model_config(c.model_dir);
-  Checkpoint ckpt(c.model_dir);
-  std::map<std::string, uint64_t> by_dtype;
-  for (const auto& name : ckpt.names()) {
-    const TensorInfo& t = ckpt.info(name);
-    by_dtype[dtype_name(t.dtype)] += t.end - t.begin;
-  }
+  const bool has_weights = fs::exists(fs::path(c.model_dir) / "model.safetensors") ||
+                           fs::exists(fs::path(c.model_dir) / "model.safetensors.index.json");
+  std::unique_ptr<Checkpoint> ckpt;
+  if (has_weights) ckpt = std::make_unique<Checkpoint>(c.model_dir);
   std::string dtypes;
-  for (const auto& [d, b] : by_dtype) dtypes += fmt::format("{}{} {:.3f} GB", dtypes.empty() ? "" : ", ", d, b / 1e9);
+  if (ckpt) {
+    std::map<std::string, uint64_t> by_dtype;
+    for (const auto& name : ckpt->names()) {
+      const TensorInfo& t = ckpt->info(name);
+      by_dtype[dtype_name(t.dtype)] += t.end - t.begin;
+    }
+    for (const auto& [d, b] : by_dtype)
+      dtypes += fmt::format("{}{} {:.3f} GB", dtypes.empty() ? "" : ", ", d, b / 1e9);
+  }
   const int64_t sparse = mc.num_moe_layers();
   std::printf("architecture: %s\n", mc.architecture.c_str());
   std::printf("layers: %lld (%lld sparse MoE, %lld dense)\n", (long long)mc.num_layers,
@@ -153,17 +171,33 @@ int run_info(const Common& c) {
               (long long)mc.hidden_size, (long long)mc.num_heads, (long long)mc.num_kv_heads,
               (long long)mc.head_dim, (long long)mc.vocab_size,
               (long long)mc.max_position_embeddings);
-  if (sparse > 0)
-    std::printf("experts: %lld, top-k: %lld, expert intermediate: %lld, norm_topk_prob: %s\n",
+  if (sparse > 0) {
+    std::printf("experts: %lld, top-k: %lld, expert intermediate: %lld\n",
                 (long long)mc.moe.num_experts, (long long)mc.moe.top_k,
-                (long long)mc.moe.intermediate_size, mc.moe.norm_topk_prob ? "true" : "false");
+                (long long)mc.moe.intermediate_size);
+    std::printf("router: %s\n", mc.moe.router.describe().c_str());
+    if (mc.moe.shared_intermediate > 0)
+      std::printf("shared expert: intermediate %lld%s\n", (long long)mc.moe.shared_intermediate,
+                  mc.moe.shared_gate ? ", sigmoid-gated" : "");
+  }
+  if (mc.attention == AttentionKind::kMla)
+    std::printf("attention: MLA, q_lora_rank %lld, kv_lora_rank %lld, qk %lld+%lld, v %lld\n",
+                (long long)mc.mla.q_lora_rank, (long long)mc.mla.kv_lora_rank,
+                (long long)mc.mla.qk_nope_head_dim, (long long)mc.mla.qk_rope_head_dim,
+                (long long)mc.mla.v_head_dim);
   if (mc.num_layers > sparse)
     std::printf("dense intermediate: %lld\n", (long long)mc.intermediate_size);
-  std::printf("parameters: %lld in the checkpoint (%.3f B), %lld implied by the config\n",
-              (long long)ckpt.total_elements(), ckpt.total_elements() / 1e9,
-              (long long)mc.parameter_count());
-  std::printf("bytes: %.3f GB on disk (%s); %.3f GB as f32 on the CPU\n", ckpt.total_bytes() / 1e9,
-              dtypes.c_str(), mc.parameter_count() * 4.0 / 1e9);
+  const int64_t params = parameter_count(mc);
+  if (ckpt) {
+    std::printf("parameters: %lld in the checkpoint (%.3f B), %lld implied by the config\n",
+                (long long)ckpt->total_elements(), ckpt->total_elements() / 1e9, (long long)params);
+    std::printf("bytes: %.3f GB on disk (%s); %.3f GB as f32 on the CPU\n",
+                ckpt->total_bytes() / 1e9, dtypes.c_str(), params * 4.0 / 1e9);
+  } else {
+    std::printf("parameters: %lld implied by the config (%.3f B); no weights in the directory "
+                "(use --random-weights)\n", (long long)params, params / 1e9);
+    std::printf("bytes: %.3f GB as bf16, %.3f GB as f32\n", params * 2.0 / 1e9, params * 4.0 / 1e9);
+  }
   return 0;
 }
 
@@ -176,6 +210,7 @@ int main(int argc, char** argv) {
 
   auto* gen = app.add_subcommand("generate", "generate text from a prompt");
   add_common(gen, common, true);
+  add_weight_flags(gen, common);
   std::string prompt;
   int n = 64;
   SamplingParams sp;
@@ -193,6 +228,7 @@ int main(int argc, char** argv) {
 
   auto* logits = app.add_subcommand("logits", "print the logits of every position as JSON");
   add_common(logits, common, false);
+  add_weight_flags(logits, common);
   std::string ids_text;
   logits->add_option("--ids", ids_text, "comma-separated token ids, e.g. 3,17,42")->required();
 
@@ -210,6 +246,8 @@ int main(int argc, char** argv) {
   auto* info = app.add_subcommand("info", "describe a checkpoint without loading its weights");
   add_common(info, common, false);
 
+  app.add_subcommand("devices", "list the GPUs this build can use");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -220,6 +258,13 @@ int main(int argc, char** argv) {
     if (*logits) return run_logits(common, ids_text);
     if (*tokenize) return run_tokenize(common, text, special);
     if (*detok) return run_detokenize(common, ids_text);
+    if (app.got_subcommand("devices")) {
+      std::printf("%s\n", cuda_status().c_str());
+      for (const auto& g : cuda_devices())
+        std::printf("cuda:%d %s, %.1f GiB, sm_%d%d, %d SMs\n", g.index, g.name.c_str(),
+                    g.memory_bytes / 1073741824.0, g.cc_major, g.cc_minor, g.multiprocessors);
+      return 0;
+    }
     return run_info(common);
   });
 }

@@ -73,9 +73,9 @@ Regex::Regex(const std::string& pattern, const std::string& origin) : pattern_(p
   const std::string translated = translate_oniguruma(pattern);
   int err = 0;
   PCRE2_SIZE err_offset = 0;
-  code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(translated.data()), translated.size(),
-                        PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &err, &err_offset,
-                        nullptr);
+  code_ =
+      pcre2_compile(reinterpret_cast<PCRE2_SPTR>(translated.data()), translated.size(),
+                    PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &err, &err_offset, nullptr);
   if (!code_) {
     PCRE2_UCHAR msg[256];
     pcre2_get_error_message(err, msg, sizeof msg);
@@ -108,8 +108,8 @@ void Regex::find_all(std::string_view subject, pcre2_match_data_8* md,
       if (rc < 0) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(rc, msg, sizeof msg);
-        MOE_THROW(kInternal, "pre-tokenizer regex '{}' failed on a {}-byte piece: {}", pattern_,
-                  n, reinterpret_cast<const char*>(msg));
+        MOE_THROW(kInternal, "pre-tokenizer regex '{}' failed on a {}-byte piece: {}", pattern_, n,
+                  reinterpret_cast<const char*>(msg));
       }
     }
     const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
@@ -211,9 +211,8 @@ void split_piece(const PreTokenizer& pt, std::string_view s, MatchData& md,
       std::vector<std::pair<size_t, size_t>> acc;
       bool previous_match = false;
       for (const auto& r : ranges) {
-        const bool extend = pt.behavior == SplitBehavior::kContiguous
-                                ? r.match == previous_match
-                                : r.match && !previous_match;
+        const bool extend = pt.behavior == SplitBehavior::kContiguous ? r.match == previous_match
+                                                                      : r.match && !previous_match;
         if (extend && !acc.empty())
           acc.back().second = r.e;
         else
@@ -308,7 +307,8 @@ void Tokenizer::Impl::split_added(std::string_view text, const tok::TokenTrie& t
         i = stop;  // the automaton resumes after the rejected match
         continue;
       }
-      if (t.lstrip) start = std::max(tok::trailing_space_start(text.substr(0, start)), start_offset);
+      if (t.lstrip)
+        start = std::max(tok::trailing_space_start(text.substr(0, start)), start_offset);
       if (t.rstrip) stop += tok::leading_space_len(text.substr(stop));
       if (start_offset < start) out.emplace_back(-1, start_offset, start);
       out.emplace_back(t.id, start, stop);
@@ -356,8 +356,11 @@ void Tokenizer::Impl::encode_normalized(std::string_view text, tok::MatchData& m
       for (std::string_view p : pieces) {
         if (pt.kind == tok::PreTokenizer::Kind::kByteLevel) {
           if (pt.add_prefix_space && (p.empty() || p[0] != ' ')) {
-            owned.push_back(" " + std::string(p));
-            p = owned.back();
+            std::string& spaced = owned.emplace_back();
+            spaced.reserve(p.size() + 1);
+            spaced += ' ';
+            spaced += p;
+            p = spaced;
           }
           if (pt.regex)
             tok::split_piece(pt, p, md, scratch, next);

@@ -22,6 +22,8 @@ using json = nlohmann::json;
 using ojson = nlohmann::ordered_json;
 
 std::string read_file(const std::string& path, const char* what) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) MOE_THROW(kIo, "{} '{}' is a directory", what, path);
   std::ifstream in(path, std::ios::binary);
   if (!in) MOE_THROW(kIo, "cannot open {} '{}': {}", what, path, std::strerror(errno));
   std::ostringstream buf;
@@ -72,7 +74,8 @@ ChatTemplate ChatTemplate::from_tokenizer_config(const std::string& path) {
     const auto jinja_path = std::filesystem::path(path).parent_path() / "chat_template.jinja";
     std::error_code ec;
     if (!std::filesystem::exists(jinja_path, ec))
-      MOE_THROW(kConfig, "{} has no \"chat_template\" (and there is no chat_template.jinja beside it)",
+      MOE_THROW(kConfig,
+                "{} has no \"chat_template\" (and there is no chat_template.jinja beside it)",
                 path);
     source = read_file(jinja_path.string(), "chat template");
   }
@@ -84,8 +87,7 @@ ChatTemplate ChatTemplate::from_tokenizer_config(const std::string& path) {
 }
 
 ChatTemplate ChatTemplate::from_source(const std::string& source, const std::string& origin,
-                                       const std::string& bos_token,
-                                       const std::string& eos_token) {
+                                       const std::string& bos_token, const std::string& eos_token) {
   ChatTemplate t;
   t.template_ = std::make_shared<const jinja::Template>(jinja::Template::parse(source, origin));
   t.source_ = source;
@@ -100,7 +102,8 @@ std::string ChatTemplate::render(const std::vector<ChatMessage>& messages,
   return render(messages, add_generation_prompt, std::nullopt);
 }
 
-std::string ChatTemplate::render(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
+std::string ChatTemplate::render(const std::vector<ChatMessage>& messages,
+                                 bool add_generation_prompt,
                                  std::optional<bool> enable_thinking) const {
   ojson list = ojson::array();
   for (const ChatMessage& m : messages) list.push_back({{"role", m.role}, {"content", m.content}});

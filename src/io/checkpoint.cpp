@@ -94,7 +94,21 @@ uint64_t Checkpoint::total_elements() const {
 }
 
 WeightLoader::WeightLoader(const Checkpoint& ckpt, Arena& arena, bool strict)
-    : ckpt_(ckpt), arena_(arena), strict_(strict) {}
+    : ckpt_(&ckpt), arena_(arena), strict_(strict) {}
+
+WeightLoader::WeightLoader(Arena& arena, uint64_t seed)
+    : ckpt_(nullptr), arena_(arena), strict_(false), seed_(seed) {}
+
+WeightLoader WeightLoader::recording(Arena& arena) {
+  WeightLoader loader(arena, 0);
+  loader.recording_ = true;
+  return loader;
+}
+
+Tensor WeightLoader::allocate(const std::vector<int64_t>& shape) {
+  if (recording_) return Tensor();
+  return Tensor::empty(arena_, shape, DType::kF32);
+}
 
 namespace {
 std::string shape_string(const std::vector<int64_t>& shape) {
@@ -104,42 +118,84 @@ std::string shape_string(const std::vector<int64_t>& shape) {
 }
 }  // namespace
 
+namespace {
+// splitmix64: a fast, well-mixed stream for filling large random tensors.
+uint64_t splitmix(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+void fill_random(const std::string& name, uint64_t seed, float* dst, size_t count) {
+  const bool is_norm = name.find("norm") != std::string::npos;
+  if (is_norm) {
+    for (size_t i = 0; i < count; ++i) dst[i] = 1.0f;
+    return;
+  }
+  uint64_t state = seed ^ std::hash<std::string>{}(name);
+  const float scale = 0.02f * 1.7320508f / 2147483648.0f;  // uniform(-a, a) has std a / sqrt(3)
+  for (size_t i = 0; i < count; i += 2) {
+    uint64_t r = splitmix(state);
+    dst[i] = static_cast<float>(static_cast<int32_t>(r)) * scale;
+    if (i + 1 < count) dst[i + 1] = static_cast<float>(static_cast<int32_t>(r >> 32)) * scale;
+  }
+}
+}  // namespace
+
 void WeightLoader::take_into(const std::string& name, const std::vector<int64_t>& shape,
                              float* dst) {
-  const TensorInfo& info = ckpt_.info(name);
+  order_.emplace_back(name, shape);
+  if (recording_) {
+    taken_.insert(name);
+    return;
+  }
+  if (!ckpt_) {
+    size_t count = 1;
+    for (int64_t d : shape) count *= static_cast<size_t>(d);
+    fill_random(name, seed_, dst, count);
+    taken_.insert(name);
+    bytes_loaded_ += count * 4;
+    return;
+  }
+  const TensorInfo& info = ckpt_->info(name);
   MOE_CHECK(info.shape == shape, kShape, "tensor '{}' has shape {} but the config implies {}", name,
             shape_string(info.shape), shape_string(shape));
   size_t count = 1;
   for (int64_t d : shape) count *= static_cast<size_t>(d);
-  convert_to_f32(ckpt_.data(name), info.dtype, dst, count);
+  convert_to_f32(ckpt_->data(name), info.dtype, dst, count);
   taken_.insert(name);
   bytes_loaded_ += info.end - info.begin;
-  if (on_progress) on_progress(bytes_loaded_, ckpt_.total_bytes());
+  if (on_progress) on_progress(bytes_loaded_, ckpt_->total_bytes());
 }
 
 Tensor WeightLoader::take(const std::string& name, const std::vector<int64_t>& shape) {
-  ckpt_.info(name);  // a missing tensor is reported before anything is allocated
+  if (ckpt_) ckpt_->info(name);  // a missing tensor is reported before anything is allocated
+  if (recording_) {
+    take_into(name, shape, nullptr);
+    return Tensor();
+  }
   Tensor out = Tensor::empty(arena_, shape, DType::kF32);
   take_into(name, shape, out.data<float>());
   return out;
 }
 
 Tensor WeightLoader::take_if_present(const std::string& name, const std::vector<int64_t>& shape) {
-  if (!strict_ && !ckpt_.contains(name)) return Tensor();
+  if (ckpt_ && !strict_ && !ckpt_->contains(name)) return Tensor();
   return take(name, shape);
 }
 
 void WeightLoader::finish() {
-  if (!strict_) return;
+  if (!strict_ || !ckpt_) return;
   std::vector<std::string> unused;
-  for (const auto& name : ckpt_.names())
+  for (const auto& name : ckpt_->names())
     if (!taken_.count(name)) unused.push_back(name);
   if (unused.empty()) return;
   std::string list;
   for (size_t i = 0; i < unused.size() && i < 3; ++i) list += (i ? ", '" : "'") + unused[i] + "'";
   MOE_THROW(kShape, "unexpected tensor{} {}{} in checkpoint {} (strict loading)",
             unused.size() > 1 ? "s" : "", list,
-            unused.size() > 3 ? fmt::format(" and {} more", unused.size() - 3) : "", ckpt_.dir());
+            unused.size() > 3 ? fmt::format(" and {} more", unused.size() - 3) : "", ckpt_->dir());
 }
 
 }  // namespace moe

@@ -36,16 +36,29 @@ class Checkpoint {
   std::map<std::string, std::pair<const SafetensorsFile*, const TensorInfo*>> where_;
 };
 
-// Hands out tensors from a checkpoint, converted to f32 into the weights arena.
+// Hands out tensors from a checkpoint, converted to f32 into the weights arena; or, with no
+// checkpoint, random tensors (for benchmarks of real shapes without the real weights).
 class WeightLoader {
  public:
   // strict: every checkpoint tensor must be taken, and every request must be satisfied.
   WeightLoader(const Checkpoint& ckpt, Arena& arena, bool strict);
+  // Random weights: uniform with standard deviation 0.02 (norm weights: 1), a fixed function of
+  // the seed and the tensor name. Every request is satisfied.
+  WeightLoader(Arena& arena, uint64_t seed);
+  // Records the names and shapes asked for; reads and allocates nothing (tensors come back
+  // undefined). Lists what a configuration implies without holding its weights.
+  static WeightLoader recording(Arena& arena);
+
+  // Memory for a tensor the caller fills through take_into (undefined when recording).
+  Tensor allocate(const std::vector<int64_t>& shape);
+  // Every (name, shape) taken so far, in the order taken.
+  const std::vector<std::pair<std::string, std::vector<int64_t>>>& taken() const { return order_; }
 
   // The tensor `name` converted to f32 with exactly `shape`; throws kShape naming the tensor when
   // it is missing or its shape differs.
   Tensor take(const std::string& name, const std::vector<int64_t>& shape);
-  // Converts the tensor into `dst` (which holds shape's element count of f32).
+  // Converts the tensor into `dst` (which holds shape's element count of f32; ignored when
+  // recording).
   void take_into(const std::string& name, const std::vector<int64_t>& shape, float* dst);
   // As take(), but returns an undefined Tensor when the tensor is absent and loading is not strict.
   Tensor take_if_present(const std::string& name, const std::vector<int64_t>& shape);
@@ -59,9 +72,12 @@ class WeightLoader {
   std::function<void(uint64_t done, uint64_t total)> on_progress;
 
  private:
-  const Checkpoint& ckpt_;
+  const Checkpoint* ckpt_;  // null: random weights
   Arena& arena_;
   bool strict_;
+  uint64_t seed_ = 0;
+  bool recording_ = false;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> order_;
   std::set<std::string> taken_;
   uint64_t bytes_loaded_ = 0;
 };

@@ -23,7 +23,9 @@ struct Chunk {
   int line;
 };
 
-bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+bool is_space(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
 
 std::string normalize_newlines(std::string_view src) {
   std::string s;
@@ -97,14 +99,17 @@ std::vector<Chunk> split_source(const std::string& src) {
           end = k;
           break;
         }
-        if (c == '(' || c == '[' || c == '{') ++depth;
-        else if ((c == ')' || c == ']' || c == '}') && depth > 0) --depth;
+        if (c == '(' || c == '[' || c == '{')
+          ++depth;
+        else if ((c == ')' || c == ']' || c == '}') && depth > 0)
+          --depth;
       }
     }
     if (end == std::string::npos)
       fail(ErrorKind::kUnsupported, "line {}: unclosed '{{{}' tag", tag_line, kind);
     char end_sign = 0;
-    if (end > body && (src[end - 1] == '-' || (src[end - 1] == '+' && kind != '{'))) end_sign = src[end - 1];
+    if (end > body && (src[end - 1] == '-' || (src[end - 1] == '+' && kind != '{')))
+      end_sign = src[end - 1];
     std::string content = src.substr(body, end - body - (end_sign ? 1 : 0));
     size_t after = end + 2;
     if (end_sign == '-') {
@@ -114,7 +119,8 @@ std::vector<Chunk> split_source(const std::string& src) {
     }
     line_starting = src[after - 1] == '\n';
     if (kind != '#')
-      out.push_back({kind == '{' ? Chunk::K::kVar : Chunk::K::kBlock, std::move(content), tag_line});
+      out.push_back(
+          {kind == '{' ? Chunk::K::kVar : Chunk::K::kBlock, std::move(content), tag_line});
     pos = after;
   }
   return out;
@@ -158,14 +164,16 @@ std::vector<Token> lex(const std::string& src, int line) {
       bool is_float = false;
       if (j + 1 < n && src[j] == '.' && std::isdigit(static_cast<unsigned char>(src[j + 1]))) {
         is_float = true;
-        for (++j; j < n && std::isdigit(static_cast<unsigned char>(src[j])); ++j) {}
+        for (++j; j < n && std::isdigit(static_cast<unsigned char>(src[j])); ++j) {
+        }
       }
       if (j < n && (src[j] == 'e' || src[j] == 'E')) {
         size_t k = j + 1;
         if (k < n && (src[k] == '+' || src[k] == '-')) ++k;
         if (k < n && std::isdigit(static_cast<unsigned char>(src[k]))) {
           is_float = true;
-          for (j = k; j < n && std::isdigit(static_cast<unsigned char>(src[j])); ++j) {}
+          for (j = k; j < n && std::isdigit(static_cast<unsigned char>(src[j])); ++j) {
+          }
         }
       }
       std::string num;
@@ -193,24 +201,48 @@ std::vector<Token> lex(const std::string& src, int line) {
         }
         const char e = src[++j];
         switch (e) {
-          case 'n': t.s += '\n'; break;
-          case 't': t.s += '\t'; break;
-          case 'r': t.s += '\r'; break;
-          case 'f': t.s += '\f'; break;
-          case 'v': t.s += '\v'; break;
-          case 'a': t.s += '\a'; break;
-          case 'b': t.s += '\b'; break;
-          case '0': t.s += '\0'; break;
-          case '\\': t.s += '\\'; break;
-          case '\'': t.s += '\''; break;
-          case '"': t.s += '"'; break;
-          case '\n': break;
+          case 'n':
+            t.s += '\n';
+            break;
+          case 't':
+            t.s += '\t';
+            break;
+          case 'r':
+            t.s += '\r';
+            break;
+          case 'f':
+            t.s += '\f';
+            break;
+          case 'v':
+            t.s += '\v';
+            break;
+          case 'a':
+            t.s += '\a';
+            break;
+          case 'b':
+            t.s += '\b';
+            break;
+          case '0':
+            t.s += '\0';
+            break;
+          case '\\':
+            t.s += '\\';
+            break;
+          case '\'':
+            t.s += '\'';
+            break;
+          case '"':
+            t.s += '"';
+            break;
+          case '\n':
+            break;
           case 'x':
           case 'u':
           case 'U': {
             const size_t digits = e == 'x' ? 2 : e == 'u' ? 4 : 8;
             if (j + digits >= n) fail(ErrorKind::kUnsupported, "line {}: bad \\{} escape", line, e);
-            append_code_point(t.s, static_cast<uint32_t>(std::stoul(src.substr(j + 1, digits), nullptr, 16)));
+            append_code_point(
+                t.s, static_cast<uint32_t>(std::stoul(src.substr(j + 1, digits), nullptr, 16)));
             j += digits;
             break;
           }
@@ -222,9 +254,9 @@ std::vector<Token> lex(const std::string& src, int line) {
       if (j >= n) fail(ErrorKind::kUnsupported, "line {}: unterminated string literal", line);
       i = j + 1;
     } else {
-      static const char* const kOps[] = {"**", "//", "==", "!=", "<=", ">=", "+", "-", "*", "/", "%",
-                                         "~", "<", ">", "(", ")", "[", "]", "{", "}", ",", ".",
-                                         ":", "|", "="};
+      static const char* const kOps[] = {"**", "//", "==", "!=", "<=", ">=", "+", "-", "*",
+                                         "/",  "%",  "~",  "<",  ">",  "(",  ")", "[", "]",
+                                         "{",  "}",  ",",  ".",  ":",  "|",  "="};
       bool found = false;
       for (const char* op : kOps) {
         const size_t len = std::char_traits<char>::length(op);
@@ -251,8 +283,25 @@ struct Expr;
 using ExprP = std::unique_ptr<Expr>;
 
 struct Expr {
-  enum class K { kLit, kName, kAttr, kItem, kSlice, kCall, kFilter, kTest, kNot, kNeg, kBin, kCmp,
-                 kAnd, kOr, kCond, kList, kDict } k;
+  enum class K {
+    kLit,
+    kName,
+    kAttr,
+    kItem,
+    kSlice,
+    kCall,
+    kFilter,
+    kTest,
+    kNot,
+    kNeg,
+    kBin,
+    kCmp,
+    kAnd,
+    kOr,
+    kCond,
+    kList,
+    kDict
+  } k;
   Value lit;
   std::string name;  // name, attribute, filter, test or operator
   ExprP a, b, c;
@@ -290,7 +339,9 @@ class ExprParser {
 
   const Token& peek(size_t k = 0) const { return toks_[std::min(pos_ + k, toks_.size() - 1)]; }
   bool at_end() const { return peek().t == Token::T::kEnd; }
-  bool is_op(const char* op, size_t k = 0) const { return peek(k).t == Token::T::kOp && peek(k).s == op; }
+  bool is_op(const char* op, size_t k = 0) const {
+    return peek(k).t == Token::T::kOp && peek(k).s == op;
+  }
   bool is_name(const char* name, size_t k = 0) const {
     return peek(k).t == Token::T::kName && peek(k).s == name;
   }
@@ -317,7 +368,9 @@ class ExprParser {
   [[noreturn]] void error(const std::string& what) const {
     const Token& t = peek();
     fail(ErrorKind::kUnsupported, "line {}: {} (at '{}')", line_, what,
-         t.t == Token::T::kEnd ? std::string("end of tag") : t.t == Token::T::kString ? "'" + t.s + "'" : t.s);
+         t.t == Token::T::kEnd      ? std::string("end of tag")
+         : t.t == Token::T::kString ? "'" + t.s + "'"
+                                    : t.s);
   }
 
   ExprP expression(bool with_cond = true) { return with_cond ? cond_expr() : or_expr(); }
@@ -380,9 +433,8 @@ class ExprParser {
     auto cmp = make(Expr::K::kCmp);
     while (true) {
       std::string op;
-      if (peek().t == Token::T::kOp &&
-          (peek().s == "==" || peek().s == "!=" || peek().s == "<" || peek().s == ">" ||
-           peek().s == "<=" || peek().s == ">=")) {
+      if (peek().t == Token::T::kOp && (peek().s == "==" || peek().s == "!=" || peek().s == "<" ||
+                                        peek().s == ">" || peek().s == "<=" || peek().s == ">=")) {
         op = toks_[pos_++].s;
       } else if (skip_name("in")) {
         op = "in";
@@ -400,11 +452,12 @@ class ExprParser {
     return cmp;
   }
   ExprP binary_level(int level) {
-    static const std::vector<std::vector<std::string>> kLevels = {{"+", "-"}, {"~"}, {"*", "/", "//", "%"}, {"**"}};
+    static const std::vector<std::vector<std::string>> kLevels = {
+        {"+", "-"}, {"~"}, {"*", "/", "//", "%"}, {"**"}};
     if (level == 4) return unary(true);
     ExprP e = binary_level(level + 1);
-    while (peek().t == Token::T::kOp &&
-           std::find(kLevels[level].begin(), kLevels[level].end(), peek().s) != kLevels[level].end()) {
+    while (peek().t == Token::T::kOp && std::find(kLevels[level].begin(), kLevels[level].end(),
+                                                  peek().s) != kLevels[level].end()) {
       auto b = make(Expr::K::kBin);
       b->name = toks_[pos_++].s;
       b->a = std::move(e);
@@ -433,9 +486,12 @@ class ExprParser {
     if (t.t == Token::T::kName) {
       ++pos_;
       auto e = make(Expr::K::kLit);
-      if (t.s == "true" || t.s == "True") e->lit = Value::boolean(true);
-      else if (t.s == "false" || t.s == "False") e->lit = Value::boolean(false);
-      else if (t.s == "none" || t.s == "None") e->lit = Value::none();
+      if (t.s == "true" || t.s == "True")
+        e->lit = Value::boolean(true);
+      else if (t.s == "false" || t.s == "False")
+        e->lit = Value::boolean(false);
+      else if (t.s == "none" || t.s == "None")
+        e->lit = Value::none();
       else {
         e->k = Expr::K::kName;
         e->name = t.s;
@@ -557,7 +613,10 @@ class ExprParser {
       if (skip_op("|")) {
         auto f = make(Expr::K::kFilter);
         f->name = expect_name();
-        while (skip_op(".")) f->name += "." + expect_name();
+        while (skip_op(".")) {
+          f->name += '.';
+          f->name += expect_name();
+        }
         if (!has_filter(f->name)) error(fmt::format("filter '{}' is not supported", f->name));
         f->a = std::move(e);
         if (is_op("(")) call_args(*f);
@@ -645,7 +704,8 @@ class StmtParser {
       body.push_back(statement(keyword, *p, ch.line));
     }
     if (!ends.empty())
-      fail(ErrorKind::kUnsupported, "missing '{{% {} %}}' at the end of the template", ends.front());
+      fail(ErrorKind::kUnsupported, "missing '{{% {} %}}' at the end of the template",
+           ends.front());
     return body;
   }
 
@@ -758,14 +818,17 @@ Args eval_args(const Expr& e, Ctx& c) {
 
 Value eval(const Expr& e, Ctx& c) {
   switch (e.k) {
-    case Expr::K::kLit: return e.lit;
+    case Expr::K::kLit:
+      return e.lit;
     case Expr::K::kName: {
       Value v = c.lookup(e.name);
       if (v.is_undefined()) v.s = e.name;
       return v;
     }
-    case Expr::K::kAttr: return get_attr(eval(*e.a, c), e.name);
-    case Expr::K::kItem: return get_item(eval(*e.a, c), eval(*e.b, c));
+    case Expr::K::kAttr:
+      return get_attr(eval(*e.a, c), e.name);
+    case Expr::K::kItem:
+      return get_item(eval(*e.a, c), eval(*e.b, c));
     case Expr::K::kSlice: {
       Value parts[3];
       for (int k = 0; k < 3; ++k)
@@ -800,23 +863,29 @@ Value eval(const Expr& e, Ctx& c) {
       Args args = eval_args(e, c);
       return Value::boolean(apply_test(e.name, v, args) != e.negated);
     }
-    case Expr::K::kNot: return Value::boolean(!truthy(eval(*e.a, c)));
+    case Expr::K::kNot:
+      return Value::boolean(!truthy(eval(*e.a, c)));
     case Expr::K::kNeg: {
       Value v = eval(*e.a, c);
       if (v.is_integer()) return Value::integer(-v.as_int());
       return Value::number(-v.as_double());
     }
-    case Expr::K::kBin: return binary_op(e.name, eval(*e.a, c), eval(*e.b, c));
+    case Expr::K::kBin:
+      return binary_op(e.name, eval(*e.a, c), eval(*e.b, c));
     case Expr::K::kCmp: {
       Value left = eval(*e.a, c);
       for (size_t k = 0; k < e.ops.size(); ++k) {
         Value right = eval(*e.values[k], c);
         const std::string& op = e.ops[k];
         bool ok;
-        if (op == "==") ok = equal(left, right);
-        else if (op == "!=") ok = !equal(left, right);
-        else if (op == "in") ok = contains(right, left);
-        else if (op == "not in") ok = !contains(right, left);
+        if (op == "==")
+          ok = equal(left, right);
+        else if (op == "!=")
+          ok = !equal(left, right);
+        else if (op == "in")
+          ok = contains(right, left);
+        else if (op == "not in")
+          ok = !contains(right, left);
         else {
           const int r = compare(left, right);
           ok = op == "<" ? r < 0 : op == ">" ? r > 0 : op == "<=" ? r <= 0 : r >= 0;
@@ -846,7 +915,8 @@ Value eval(const Expr& e, Ctx& c) {
       Value d = Value::new_dict();
       for (size_t k = 0; k < e.items.size(); ++k) {
         Value key = eval(*e.items[k], c);
-        if (!key.is_string()) fail(ErrorKind::kUnsupported, "dict keys other than strings are not supported");
+        if (!key.is_string())
+          fail(ErrorKind::kUnsupported, "dict keys other than strings are not supported");
         d.dict->set(key.s, eval(*e.values[k], c));
       }
       return d;
@@ -861,7 +931,8 @@ void assign_names(Ctx& c, const std::vector<std::string>& targets, const Value& 
     return;
   }
   if (!v.is_list() || v.list->size() != targets.size())
-    fail(ErrorKind::kInvalidArgument, "cannot unpack {} into {} names", v.type_name(), targets.size());
+    fail(ErrorKind::kInvalidArgument, "cannot unpack {} into {} names", v.type_name(),
+         targets.size());
   for (size_t k = 0; k < targets.size(); ++k) c.scopes.back()[targets[k]] = (*v.list)[k];
 }
 
@@ -893,9 +964,9 @@ void exec_for(const Stmt& s, Ctx& c, std::string& out) {
     d.set("previtem", k > 0 ? items[k - 1] : Value::undefined("previtem"));
     d.set("nextitem", k + 1 < n ? items[k + 1] : Value::undefined("nextitem"));
     d.set("cycle", Value::function([k](Args& args) {
-      if (args.pos.empty()) fail(ErrorKind::kInvalidArgument, "loop.cycle() needs arguments");
-      return args.pos[static_cast<size_t>(k) % args.pos.size()];
-    }));
+            if (args.pos.empty()) fail(ErrorKind::kInvalidArgument, "loop.cycle() needs arguments");
+            return args.pos[static_cast<size_t>(k) % args.pos.size()];
+          }));
     c.scopes.back()["loop"] = loop;
     exec(s.body, c, out);
     if (c.flow == Ctx::Flow::kBreak) {
@@ -913,8 +984,12 @@ void exec(const Body& body, Ctx& c, std::string& out) {
     const Stmt& s = *sp;
     if (s.line) c.line = s.line;
     switch (s.k) {
-      case Stmt::K::kText: out += s.text; break;
-      case Stmt::K::kOut: out += to_str(eval(*s.expr, c)); break;
+      case Stmt::K::kText:
+        out += s.text;
+        break;
+      case Stmt::K::kOut:
+        out += to_str(eval(*s.expr, c));
+        break;
       case Stmt::K::kIf: {
         bool done = false;
         for (const auto& [cond, branch] : s.branches) {
@@ -927,14 +1002,17 @@ void exec(const Body& body, Ctx& c, std::string& out) {
         if (!done) exec(s.else_body, c, out);
         break;
       }
-      case Stmt::K::kFor: exec_for(s, c, out); break;
+      case Stmt::K::kFor:
+        exec_for(s, c, out);
+        break;
       case Stmt::K::kSet: {
         Value v = eval(*s.expr, c);
         if (!s.attr.empty()) {
           Value ns = c.lookup(s.targets[0]);
           if (!ns.is_dict() || !ns.dict->is_namespace)
-            fail(ErrorKind::kInvalidArgument, "cannot assign attribute '{}' on {} '{}' (not a namespace)",
-                 s.attr, ns.type_name(), s.targets[0]);
+            fail(ErrorKind::kInvalidArgument,
+                 "cannot assign attribute '{}' on {} '{}' (not a namespace)", s.attr,
+                 ns.type_name(), s.targets[0]);
           ns.dict->set(s.attr, std::move(v));
         } else {
           assign_names(c, s.targets, v);
@@ -947,9 +1025,15 @@ void exec(const Body& body, Ctx& c, std::string& out) {
         c.scopes.back()[s.targets[0]] = Value::string(std::move(captured));
         break;
       }
-      case Stmt::K::kBreak: c.flow = Ctx::Flow::kBreak; return;
-      case Stmt::K::kContinue: c.flow = Ctx::Flow::kContinue; return;
-      case Stmt::K::kBlock: exec(s.body, c, out); break;
+      case Stmt::K::kBreak:
+        c.flow = Ctx::Flow::kBreak;
+        return;
+      case Stmt::K::kContinue:
+        c.flow = Ctx::Flow::kContinue;
+        return;
+      case Stmt::K::kBlock:
+        exec(s.body, c, out);
+        break;
     }
     if (c.flow != Ctx::Flow::kNone) return;
   }
@@ -969,7 +1053,8 @@ Template Template::parse(std::string_view source, const std::string& origin) {
     StmtParser parser(split_source(normalize_newlines(source)));
     program->body = parser.parse_all();
   } catch (const TemplateError& e) {
-    throw Error(e.kind, fmt::format("chat template of {}: {}", origin, e.message), __FILE__, __LINE__);
+    throw Error(e.kind, fmt::format("chat template of {}: {}", origin, e.message), __FILE__,
+                __LINE__);
   }
   Template t;
   t.program_ = std::move(program);
@@ -986,8 +1071,10 @@ std::string Template::render(const nlohmann::ordered_json& variables) const {
   try {
     exec(program_->body, c, out);
   } catch (const TemplateError& e) {
-    throw Error(e.kind, fmt::format("chat template of {} (line {}): {}", program_->origin, c.line, e.message),
-                __FILE__, __LINE__);
+    throw Error(
+        e.kind,
+        fmt::format("chat template of {} (line {}): {}", program_->origin, c.line, e.message),
+        __FILE__, __LINE__);
   }
   return out;
 }

@@ -67,32 +67,48 @@ Value Value::function(Function f) {
 
 double Value::as_double() const {
   switch (kind) {
-    case Kind::kBool: return b ? 1 : 0;
-    case Kind::kInt: return static_cast<double>(i);
-    case Kind::kFloat: return f;
-    default: fail(ErrorKind::kInvalidArgument, "expected a number, got {}", type_name());
+    case Kind::kBool:
+      return b ? 1 : 0;
+    case Kind::kInt:
+      return static_cast<double>(i);
+    case Kind::kFloat:
+      return f;
+    default:
+      fail(ErrorKind::kInvalidArgument, "expected a number, got {}", type_name());
   }
 }
 
 int64_t Value::as_int() const {
   switch (kind) {
-    case Kind::kBool: return b ? 1 : 0;
-    case Kind::kInt: return i;
-    default: fail(ErrorKind::kInvalidArgument, "expected an integer, got {}", type_name());
+    case Kind::kBool:
+      return b ? 1 : 0;
+    case Kind::kInt:
+      return i;
+    default:
+      fail(ErrorKind::kInvalidArgument, "expected an integer, got {}", type_name());
   }
 }
 
 const char* Value::type_name() const {
   switch (kind) {
-    case Kind::kUndefined: return "undefined";
-    case Kind::kNone: return "None";
-    case Kind::kBool: return "bool";
-    case Kind::kInt: return "int";
-    case Kind::kFloat: return "float";
-    case Kind::kString: return "str";
-    case Kind::kList: return "list";
-    case Kind::kDict: return dict && dict->is_namespace ? "namespace" : "dict";
-    case Kind::kFunction: return "function";
+    case Kind::kUndefined:
+      return "undefined";
+    case Kind::kNone:
+      return "None";
+    case Kind::kBool:
+      return "bool";
+    case Kind::kInt:
+      return "int";
+    case Kind::kFloat:
+      return "float";
+    case Kind::kString:
+      return "str";
+    case Kind::kList:
+      return "list";
+    case Kind::kDict:
+      return dict && dict->is_namespace ? "namespace" : "dict";
+    case Kind::kFunction:
+      return "function";
   }
   return "?";
 }
@@ -137,7 +153,8 @@ std::vector<std::string_view> chars_of(std::string_view s) {
 }
 
 bool is_py_space(std::string_view ch) {
-  if (ch.size() == 1) return ch[0] == ' ' || (ch[0] >= '\t' && ch[0] <= '\r') || (ch[0] >= 0x1C && ch[0] <= 0x1F);
+  if (ch.size() == 1)
+    return ch[0] == ' ' || (ch[0] >= '\t' && ch[0] <= '\r') || (ch[0] >= 0x1C && ch[0] <= 0x1F);
   const size_t n = unicode::utf8_valid_len(ch, 0);
   return n == ch.size() && unicode::is_white_space(unicode::utf8_decode(ch, 0, n));
 }
@@ -189,13 +206,20 @@ std::string py_str_repr(const std::string& s) {
   const char q = dq ? '"' : '\'';
   std::string out(1, q);
   for (unsigned char c : s) {
-    if (c == '\\') out += "\\\\";
-    else if (c == q) out += std::string("\\") + static_cast<char>(q);
-    else if (c == '\n') out += "\\n";
-    else if (c == '\r') out += "\\r";
-    else if (c == '\t') out += "\\t";
-    else if (c < 0x20 || c == 0x7F) out += fmt::format("\\x{:02x}", c);
-    else out += static_cast<char>(c);
+    if (c == '\\')
+      out += "\\\\";
+    else if (c == q)
+      out += std::string("\\") + static_cast<char>(q);
+    else if (c == '\n')
+      out += "\\n";
+    else if (c == '\r')
+      out += "\\r";
+    else if (c == '\t')
+      out += "\\t";
+    else if (c < 0x20 || c == 0x7F)
+      out += fmt::format("\\x{:02x}", c);
+    else
+      out += static_cast<char>(c);
   }
   return out + q;
 }
@@ -204,16 +228,32 @@ void json_string(const std::string& s, std::string& out) {
   out += '"';
   for (unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
       default:
-        if (c < 0x20) out += fmt::format("\\u{:04x}", c);
-        else out += static_cast<char>(c);
+        if (c < 0x20)
+          out += fmt::format("\\u{:04x}", c);
+        else
+          out += static_cast<char>(c);
     }
   }
   out += '"';
@@ -227,15 +267,26 @@ void json_dump(const Value& v, int indent, const std::string& item_sep, const st
   };
   switch (v.kind) {
     case Kind::kUndefined:
-    case Kind::kNone: out += "null"; return;
-    case Kind::kBool: out += v.b ? "true" : "false"; return;
-    case Kind::kInt: out += std::to_string(v.i); return;
-    case Kind::kFloat:
-      if (std::isnan(v.f)) out += "NaN";
-      else if (std::isinf(v.f)) out += v.f > 0 ? "Infinity" : "-Infinity";
-      else out += py_float_repr(v.f);
+    case Kind::kNone:
+      out += "null";
       return;
-    case Kind::kString: json_string(v.s, out); return;
+    case Kind::kBool:
+      out += v.b ? "true" : "false";
+      return;
+    case Kind::kInt:
+      out += std::to_string(v.i);
+      return;
+    case Kind::kFloat:
+      if (std::isnan(v.f))
+        out += "NaN";
+      else if (std::isinf(v.f))
+        out += v.f > 0 ? "Infinity" : "-Infinity";
+      else
+        out += py_float_repr(v.f);
+      return;
+    case Kind::kString:
+      json_string(v.s, out);
+      return;
     case Kind::kList: {
       if (v.list->empty()) {
         out += "[]";
@@ -273,7 +324,8 @@ void json_dump(const Value& v, int indent, const std::string& item_sep, const st
       out += '}';
       return;
     }
-    case Kind::kFunction: fail(ErrorKind::kInvalidArgument, "a function is not JSON serializable");
+    case Kind::kFunction:
+      fail(ErrorKind::kInvalidArgument, "a function is not JSON serializable");
   }
 }
 
@@ -283,7 +335,8 @@ Value arg_or(const Args& args, size_t index, std::string_view name, Value fallba
 }
 
 const std::string& need_string(const Value& v, const char* what) {
-  if (!v.is_string()) fail(ErrorKind::kInvalidArgument, "{} expects a string, got {}", what, v.type_name());
+  if (!v.is_string())
+    fail(ErrorKind::kInvalidArgument, "{} expects a string, got {}", what, v.type_name());
   return v.s;
 }
 
@@ -331,7 +384,8 @@ Value strings_to_list(const std::vector<std::string>& parts) {
 bool starts_or_ends(const std::string& s, const Value& arg, bool start) {
   auto one = [&](const std::string& x) {
     if (x.size() > s.size()) return false;
-    return start ? s.compare(0, x.size(), x) == 0 : s.compare(s.size() - x.size(), x.size(), x) == 0;
+    return start ? s.compare(0, x.size(), x) == 0
+                 : s.compare(s.size() - x.size(), x.size(), x) == 0;
   };
   if (arg.is_list()) {
     for (const Value& x : *arg.list)
@@ -341,7 +395,8 @@ bool starts_or_ends(const std::string& s, const Value& arg, bool start) {
   return one(need_string(arg, "startswith/endswith"));
 }
 
-std::string py_replace(const std::string& s, const std::string& a, const std::string& b, int64_t count) {
+std::string py_replace(const std::string& s, const std::string& a, const std::string& b,
+                       int64_t count) {
   std::string out;
   if (a.empty()) {  // Python inserts b between characters
     const auto cs = chars_of(s);
@@ -374,12 +429,23 @@ std::string html_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&#34;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&#34;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -390,34 +456,51 @@ std::string html_escape(const std::string& s) {
 bool truthy(const Value& v) {
   switch (v.kind) {
     case Kind::kUndefined:
-    case Kind::kNone: return false;
-    case Kind::kBool: return v.b;
-    case Kind::kInt: return v.i != 0;
-    case Kind::kFloat: return v.f != 0;
-    case Kind::kString: return !v.s.empty();
-    case Kind::kList: return !v.list->empty();
-    case Kind::kDict: return v.dict->is_namespace || !v.dict->items.empty();
-    case Kind::kFunction: return true;
+    case Kind::kNone:
+      return false;
+    case Kind::kBool:
+      return v.b;
+    case Kind::kInt:
+      return v.i != 0;
+    case Kind::kFloat:
+      return v.f != 0;
+    case Kind::kString:
+      return !v.s.empty();
+    case Kind::kList:
+      return !v.list->empty();
+    case Kind::kDict:
+      return v.dict->is_namespace || !v.dict->items.empty();
+    case Kind::kFunction:
+      return true;
   }
   return false;
 }
 
 std::string to_str(const Value& v) {
   switch (v.kind) {
-    case Kind::kUndefined: return {};
-    case Kind::kString: return v.s;
-    default: return repr(v);
+    case Kind::kUndefined:
+      return {};
+    case Kind::kString:
+      return v.s;
+    default:
+      return repr(v);
   }
 }
 
 std::string repr(const Value& v) {
   switch (v.kind) {
-    case Kind::kUndefined: return {};
-    case Kind::kNone: return "None";
-    case Kind::kBool: return v.b ? "True" : "False";
-    case Kind::kInt: return std::to_string(v.i);
-    case Kind::kFloat: return py_float_repr(v.f);
-    case Kind::kString: return py_str_repr(v.s);
+    case Kind::kUndefined:
+      return {};
+    case Kind::kNone:
+      return "None";
+    case Kind::kBool:
+      return v.b ? "True" : "False";
+    case Kind::kInt:
+      return std::to_string(v.i);
+    case Kind::kFloat:
+      return py_float_repr(v.f);
+    case Kind::kString:
+      return py_str_repr(v.s);
     case Kind::kList: {
       std::string out = "[";
       for (size_t k = 0; k < v.list->size(); ++k) out += (k ? ", " : "") + repr((*v.list)[k]);
@@ -433,7 +516,8 @@ std::string repr(const Value& v) {
       }
       return out + "}";
     }
-    case Kind::kFunction: return "<function>";
+    case Kind::kFunction:
+      return "<function>";
   }
   return {};
 }
@@ -446,8 +530,10 @@ bool equal(const Value& a, const Value& b) {
   if (a.kind != b.kind) return false;
   switch (a.kind) {
     case Kind::kUndefined:
-    case Kind::kNone: return true;
-    case Kind::kString: return a.s == b.s;
+    case Kind::kNone:
+      return true;
+    case Kind::kString:
+      return a.s == b.s;
     case Kind::kList:
       if (a.list->size() != b.list->size()) return false;
       for (size_t k = 0; k < a.list->size(); ++k)
@@ -462,14 +548,17 @@ bool equal(const Value& a, const Value& b) {
         if (!y || !equal(x, *y)) return false;
       }
       return true;
-    case Kind::kFunction: return a.fn == b.fn;
-    default: return false;
+    case Kind::kFunction:
+      return a.fn == b.fn;
+    default:
+      return false;
   }
 }
 
 int compare(const Value& a, const Value& b) {
   if (a.is_number() && b.is_number()) {
-    if (a.is_integer() && b.is_integer()) return a.as_int() < b.as_int() ? -1 : a.as_int() > b.as_int();
+    if (a.is_integer() && b.is_integer())
+      return a.as_int() < b.as_int() ? -1 : a.as_int() > b.as_int();
     const double x = a.as_double(), y = b.as_double();
     return x < y ? -1 : x > y;
   }
@@ -485,13 +574,16 @@ int compare(const Value& a, const Value& b) {
 
 bool contains(const Value& c, const Value& item) {
   switch (c.kind) {
-    case Kind::kString: return c.s.find(need_string(item, "'in <string>'")) != std::string::npos;
+    case Kind::kString:
+      return c.s.find(need_string(item, "'in <string>'")) != std::string::npos;
     case Kind::kList:
       for (const Value& x : *c.list)
         if (equal(x, item)) return true;
       return false;
-    case Kind::kDict: return item.is_string() && c.dict->find(item.s) != nullptr;
-    default: fail(ErrorKind::kInvalidArgument, "argument of type {} is not iterable", c.type_name());
+    case Kind::kDict:
+      return item.is_string() && c.dict->find(item.s) != nullptr;
+    default:
+      fail(ErrorKind::kInvalidArgument, "argument of type {} is not iterable", c.type_name());
   }
 }
 
@@ -509,8 +601,10 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
     if ((a.is_string() || a.is_list()) && b.is_integer()) {
       Value r = a.is_string() ? Value::string({}) : Value::new_list();
       for (int64_t k = 0; k < b.as_int(); ++k) {
-        if (a.is_string()) r.s += a.s;
-        else r.list->insert(r.list->end(), a.list->begin(), a.list->end());
+        if (a.is_string())
+          r.s += a.s;
+        else
+          r.list->insert(r.list->end(), a.list->begin(), a.list->end());
       }
       return r;
     }
@@ -555,16 +649,21 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
 
 size_t py_len(const Value& v) {
   switch (v.kind) {
-    case Kind::kString: return chars_of(v.s).size();
-    case Kind::kList: return v.list->size();
-    case Kind::kDict: return v.dict->items.size();
-    default: fail(ErrorKind::kInvalidArgument, "object of type {} has no len()", v.type_name());
+    case Kind::kString:
+      return chars_of(v.s).size();
+    case Kind::kList:
+      return v.list->size();
+    case Kind::kDict:
+      return v.dict->items.size();
+    default:
+      fail(ErrorKind::kInvalidArgument, "object of type {} has no len()", v.type_name());
   }
 }
 
 List iterate(const Value& v) {
   switch (v.kind) {
-    case Kind::kList: return *v.list;
+    case Kind::kList:
+      return *v.list;
     case Kind::kDict: {
       List l;
       for (const auto& kv : v.dict->items) l.push_back(Value::string(kv.first));
@@ -577,13 +676,15 @@ List iterate(const Value& v) {
     }
     case Kind::kUndefined:
       fail(ErrorKind::kInvalidArgument, "'{}' is undefined", v.s.empty() ? "value" : v.s);
-    default: fail(ErrorKind::kInvalidArgument, "{} is not iterable", v.type_name());
+    default:
+      fail(ErrorKind::kInvalidArgument, "{} is not iterable", v.type_name());
   }
 }
 
 Value get_attr(const Value& obj, const std::string& name) {
   if (obj.is_undefined())
-    fail(ErrorKind::kInvalidArgument, "'{}' is undefined (reading .{})", obj.s.empty() ? "value" : obj.s, name);
+    fail(ErrorKind::kInvalidArgument, "'{}' is undefined (reading .{})",
+         obj.s.empty() ? "value" : obj.s, name);
   if (obj.is_dict()) {
     if (const Value* v = obj.dict->find(name)) return *v;
   }
@@ -592,7 +693,8 @@ Value get_attr(const Value& obj, const std::string& name) {
 
 Value get_item(const Value& obj, const Value& key) {
   if (obj.is_undefined())
-    fail(ErrorKind::kInvalidArgument, "'{}' is undefined (indexing it)", obj.s.empty() ? "value" : obj.s);
+    fail(ErrorKind::kInvalidArgument, "'{}' is undefined (indexing it)",
+         obj.s.empty() ? "value" : obj.s);
   if (obj.is_dict() && key.is_string()) {
     if (const Value* v = obj.dict->find(key.s)) return *v;
     return Value::undefined(key.s);
@@ -639,8 +741,10 @@ Value slice(const Value& obj, const Value& start_v, const Value& stop_v, const V
   List items;
   std::string text;
   for (int64_t k = start; step > 0 ? k < stop : k > stop; k += step) {
-    if (obj.is_list()) items.push_back((*obj.list)[k]);
-    else text += cs[k];
+    if (obj.is_list())
+      items.push_back((*obj.list)[k]);
+    else
+      text += cs[k];
   }
   return obj.is_list() ? Value::new_list(std::move(items)) : Value::string(std::move(text));
 }
@@ -654,12 +758,17 @@ std::string to_json(const Value& v, int indent, const std::string& item_sep,
 
 Value from_json(const nlohmann::ordered_json& j) {
   switch (j.type()) {
-    case nlohmann::ordered_json::value_t::null: return Value::none();
-    case nlohmann::ordered_json::value_t::boolean: return Value::boolean(j.get<bool>());
+    case nlohmann::ordered_json::value_t::null:
+      return Value::none();
+    case nlohmann::ordered_json::value_t::boolean:
+      return Value::boolean(j.get<bool>());
     case nlohmann::ordered_json::value_t::number_integer:
-    case nlohmann::ordered_json::value_t::number_unsigned: return Value::integer(j.get<int64_t>());
-    case nlohmann::ordered_json::value_t::number_float: return Value::number(j.get<double>());
-    case nlohmann::ordered_json::value_t::string: return Value::string(j.get<std::string>());
+    case nlohmann::ordered_json::value_t::number_unsigned:
+      return Value::integer(j.get<int64_t>());
+    case nlohmann::ordered_json::value_t::number_float:
+      return Value::number(j.get<double>());
+    case nlohmann::ordered_json::value_t::string:
+      return Value::string(j.get<std::string>());
     case nlohmann::ordered_json::value_t::array: {
       List l;
       for (const auto& x : j) l.push_back(from_json(x));
@@ -670,13 +779,15 @@ Value from_json(const nlohmann::ordered_json& j) {
       for (const auto& [k, x] : j.items()) d.dict->items.emplace_back(k, from_json(x));
       return d;
     }
-    default: return Value::undefined();
+    default:
+      return Value::undefined();
   }
 }
 
 Value call_method(const Value& obj, const std::string& name, Args& args) {
   if (obj.is_undefined())
-    fail(ErrorKind::kInvalidArgument, "'{}' is undefined (calling .{}())", obj.s.empty() ? "value" : obj.s, name);
+    fail(ErrorKind::kInvalidArgument, "'{}' is undefined (calling .{}())",
+         obj.s.empty() ? "value" : obj.s, name);
   if (obj.is_string()) {
     const std::string& s = obj.s;
     if (name == "startswith" || name == "endswith") {
@@ -708,8 +819,8 @@ Value call_method(const Value& obj, const std::string& name, Args& args) {
       const std::string& sub = need_string(*a, name.c_str());
       if (name == "find") {
         const size_t p = s.find(sub);
-        return Value::integer(p == std::string::npos ? -1
-                                                     : static_cast<int64_t>(chars_of(s.substr(0, p)).size()));
+        return Value::integer(
+            p == std::string::npos ? -1 : static_cast<int64_t>(chars_of(s.substr(0, p)).size()));
       }
       if (sub.empty()) return Value::integer(static_cast<int64_t>(chars_of(s).size() + 1));
       int64_t n = 0;
@@ -755,7 +866,8 @@ Value call_method(const Value& obj, const std::string& name, Args& args) {
   } else if (obj.is_dict() && !obj.dict->is_namespace) {
     if (name == "items") {
       List l;
-      for (const auto& [k, x] : obj.dict->items) l.push_back(Value::new_list({Value::string(k), x}));
+      for (const auto& [k, x] : obj.dict->items)
+        l.push_back(Value::new_list({Value::string(k), x}));
       return Value::new_list(std::move(l));
     }
     if (name == "keys") return Value::new_list(iterate(obj));
@@ -777,15 +889,16 @@ Value call_method(const Value& obj, const std::string& name, Args& args) {
 
 namespace {
 constexpr std::string_view kFilters[] = {
-    "abs", "capitalize", "count", "d", "default", "e", "escape", "first", "float", "int", "items",
-    "join", "last", "length", "list", "lower", "map", "reject", "rejectattr", "replace", "reverse",
-    "round", "safe", "select", "selectattr", "sort", "string", "title", "tojson", "trim", "unique",
-    "upper"};
+    "abs",        "capitalize", "count",      "d",       "default", "e",      "escape", "first",
+    "float",      "int",        "items",      "join",    "last",    "length", "list",   "lower",
+    "map",        "reject",     "rejectattr", "replace", "reverse", "round",  "safe",   "select",
+    "selectattr", "sort",       "string",     "title",   "tojson",  "trim",   "unique", "upper"};
 constexpr std::string_view kTests[] = {
-    "boolean", "callable", "defined", "divisibleby", "eq", "equalto", "escaped", "even", "false",
-    "float", "ge", "gt", "in", "integer", "iterable", "le", "lower", "lt", "mapping", "ne", "none",
-    "number", "odd", "sameas", "sequence", "string", "true", "undefined", "upper", "==", "!=",
-    "<", "<=", ">", ">="};
+    "boolean",  "callable", "defined", "divisibleby", "eq",      "equalto", "escaped",
+    "even",     "false",    "float",   "ge",          "gt",      "in",      "integer",
+    "iterable", "le",       "lower",   "lt",          "mapping", "ne",      "none",
+    "number",   "odd",      "sameas",  "sequence",    "string",  "true",    "undefined",
+    "upper",    "==",       "!=",      "<",           "<=",      ">",       ">="};
 }  // namespace
 
 bool has_filter(std::string_view name) {
@@ -804,14 +917,16 @@ Value apply_filter(const std::string& name, const Value& v, Args& args) {
     const Value indent = arg_or(args, 1, "indent", Value::none());
     const int ind = indent.is_none() ? -1 : static_cast<int>(indent.as_int());
     std::string item_sep = ind >= 0 ? "," : ", ", key_sep = ": ";
-    if (const Value* sep = args.get(2, "separators"); sep && sep->is_list() && sep->list->size() == 2) {
+    if (const Value* sep = args.get(2, "separators");
+        sep && sep->is_list() && sep->list->size() == 2) {
       item_sep = need_string((*sep->list)[0], "tojson separators");
       key_sep = need_string((*sep->list)[1], "tojson separators");
     }
     const bool sort_keys = truthy(arg_or(args, 3, "sort_keys", Value::boolean(false)));
     return Value::string(to_json(v, ind, item_sep, key_sep, sort_keys));
   }
-  if (name == "trim") return Value::string(py_strip(need_string(v, "trim"), args.get(0, "chars"), true, true));
+  if (name == "trim")
+    return Value::string(py_strip(need_string(v, "trim"), args.get(0, "chars"), true, true));
   if (name == "upper") return Value::string(ascii_upper(to_str(v)));
   if (name == "lower") return Value::string(ascii_lower(to_str(v)));
   if (name == "capitalize") {
@@ -824,7 +939,8 @@ Value apply_filter(const std::string& name, const Value& v, Args& args) {
     bool start = true;
     for (char& c : s) {
       const bool alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
-      if (alpha) c = start ? static_cast<char>(std::toupper(c)) : static_cast<char>(std::tolower(c));
+      if (alpha)
+        c = start ? static_cast<char>(std::toupper(c)) : static_cast<char>(std::tolower(c));
       start = !alpha;
     }
     return Value::string(s);
@@ -836,7 +952,8 @@ Value apply_filter(const std::string& name, const Value& v, Args& args) {
   }
   if (name == "default" || name == "d") {
     const bool boolean = truthy(arg_or(args, 1, "boolean", Value::boolean(false)));
-    if (v.is_undefined() || (boolean && !truthy(v))) return arg_or(args, 0, "default_value", Value::string(""));
+    if (v.is_undefined() || (boolean && !truthy(v)))
+      return arg_or(args, 0, "default_value", Value::string(""));
     return v;
   }
   if (name == "join") {
@@ -875,9 +992,12 @@ Value apply_filter(const std::string& name, const Value& v, Args& args) {
     }
     return arg_or(args, 0, "default", Value::number(0));
   }
-  if (name == "abs") return v.is_integer() ? Value::integer(std::llabs(v.as_int())) : Value::number(std::fabs(v.as_double()));
+  if (name == "abs")
+    return v.is_integer() ? Value::integer(std::llabs(v.as_int()))
+                          : Value::number(std::fabs(v.as_double()));
   if (name == "round") {
-    const double p = std::pow(10.0, static_cast<double>(arg_or(args, 0, "precision", Value::integer(0)).as_int()));
+    const double p = std::pow(
+        10.0, static_cast<double>(arg_or(args, 0, "precision", Value::integer(0)).as_int()));
     return Value::number(std::round(v.as_double() * p) / p);
   }
   if (name == "list") return Value::new_list(iterate(v));
@@ -900,7 +1020,8 @@ Value apply_filter(const std::string& name, const Value& v, Args& args) {
   if (name == "unique") {
     List out;
     for (const Value& x : iterate(v))
-      if (std::none_of(out.begin(), out.end(), [&](const Value& y) { return equal(x, y); })) out.push_back(x);
+      if (std::none_of(out.begin(), out.end(), [&](const Value& y) { return equal(x, y); }))
+        out.push_back(x);
     return Value::new_list(std::move(out));
   }
   if (name == "sort") {
@@ -916,7 +1037,8 @@ Value apply_filter(const std::string& name, const Value& v, Args& args) {
   if (name == "map") {
     List out;
     const Value* attr = args.get(99, "attribute");
-    if (!attr && args.pos.empty()) fail(ErrorKind::kInvalidArgument, "map() needs a filter or attribute");
+    if (!attr && args.pos.empty())
+      fail(ErrorKind::kInvalidArgument, "map() needs a filter or attribute");
     for (const Value& x : iterate(v)) {
       if (attr) {
         out.push_back(get_attr(x, to_str(*attr)));
@@ -974,8 +1096,10 @@ bool apply_test(const std::string& name, const Value& v, Args& args) {
   if (name == "number") return v.is_number();
   if (name == "string") return v.is_string();
   if (name == "mapping") return v.is_dict() && !v.dict->is_namespace;
-  if (name == "iterable") return v.is_list() || v.is_string() || (v.is_dict() && !v.dict->is_namespace);
-  if (name == "sequence") return v.is_list() || v.is_string() || (v.is_dict() && !v.dict->is_namespace);
+  if (name == "iterable")
+    return v.is_list() || v.is_string() || (v.is_dict() && !v.dict->is_namespace);
+  if (name == "sequence")
+    return v.is_list() || v.is_string() || (v.is_dict() && !v.dict->is_namespace);
   if (name == "callable") return v.kind == Kind::kFunction;
   if (name == "escaped") return false;
   if (name == "odd" || name == "even") {

@@ -34,7 +34,17 @@ using List = std::vector<Value>;
 using Function = std::function<Value(Args&)>;
 
 struct Value {
-  enum class Kind : uint8_t { kUndefined, kNone, kBool, kInt, kFloat, kString, kList, kDict, kFunction };
+  enum class Kind : uint8_t {
+    kUndefined,
+    kNone,
+    kBool,
+    kInt,
+    kFloat,
+    kString,
+    kList,
+    kDict,
+    kFunction
+  };
   Kind kind = Kind::kUndefined;
   bool b = false;
   int64_t i = 0;
@@ -59,7 +69,9 @@ struct Value {
   bool is_string() const { return kind == Kind::kString; }
   bool is_list() const { return kind == Kind::kList; }
   bool is_dict() const { return kind == Kind::kDict; }
-  bool is_number() const { return kind == Kind::kInt || kind == Kind::kFloat || kind == Kind::kBool; }
+  bool is_number() const {
+    return kind == Kind::kInt || kind == Kind::kFloat || kind == Kind::kBool;
+  }
   bool is_integer() const { return kind == Kind::kInt || kind == Kind::kBool; }
   double as_double() const;
   int64_t as_int() const;
@@ -81,8 +93,8 @@ struct Args {
 };
 
 bool truthy(const Value& v);
-std::string to_str(const Value& v);   // Python str()
-std::string repr(const Value& v);     // Python repr()
+std::string to_str(const Value& v);  // Python str()
+std::string repr(const Value& v);    // Python repr()
 bool equal(const Value& a, const Value& b);
 int compare(const Value& a, const Value& b);  // <0, 0, >0; fails for unorderable types
 bool contains(const Value& container, const Value& item);

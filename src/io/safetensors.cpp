@@ -92,6 +92,23 @@ std::vector<TensorInfo> parse_safetensors_header(const std::string& header, uint
   return tensors;
 }
 
+std::vector<TensorInfo> parse_safetensors_buffer(const uint8_t* bytes, uint64_t size,
+                                                 const std::string& origin,
+                                                 uint64_t* data_offset) {
+  MOE_CHECK(size >= 8, kIo, "{} is truncated: {} bytes, fewer than the 8-byte header length",
+            origin, size);
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = header_len << 8 | bytes[i];
+  MOE_CHECK(header_len <= size - 8, kIo,
+            "{} is truncated or corrupt: header length {} is larger than the file ({} bytes)",
+            origin, header_len, size);
+  MOE_CHECK(header_len <= kMaxHeaderBytes, kFormat, "{}: header length {} exceeds 100 MB", origin,
+            header_len);
+  std::string header(reinterpret_cast<const char*>(bytes + 8), header_len);
+  *data_offset = 8 + header_len;
+  return parse_safetensors_header(header, size - 8 - header_len, origin);
+}
+
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   MOE_CHECK(fd >= 0, kIo, "cannot open {}: {}", path, std::strerror(errno));
@@ -111,17 +128,9 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   map_ = map;
   map_size_ = size;
   try {
-    const auto* bytes = static_cast<const uint8_t*>(map_);
-    uint64_t header_len = 0;
-    for (int i = 7; i >= 0; --i) header_len = header_len << 8 | bytes[i];
-    MOE_CHECK(header_len <= size - 8, kIo,
-              "{} is truncated or corrupt: header length {} is larger than the file ({} bytes)",
-              path, header_len, size);
-    MOE_CHECK(header_len <= kMaxHeaderBytes, kFormat, "{}: header length {} exceeds 100 MB", path,
-              header_len);
-    std::string header(reinterpret_cast<const char*>(bytes + 8), header_len);
-    data_ = bytes + 8 + header_len;
-    tensors_ = parse_safetensors_header(header, size - 8 - header_len, path);
+    uint64_t offset = 0;
+    tensors_ = parse_safetensors_buffer(static_cast<const uint8_t*>(map_), size, path, &offset);
+    data_ = static_cast<const uint8_t*>(map_) + offset;
   } catch (...) {
     ::munmap(map_, map_size_);
     map_ = nullptr;

@@ -26,6 +26,12 @@ struct TensorInfo {
 std::vector<TensorInfo> parse_safetensors_header(const std::string& header, uint64_t data_size,
                                                  const std::string& origin);
 
+// Parses a whole safetensors file held in memory: header length, header, and the size of the data
+// that follows. Sets *data_offset to where the data starts. Throws kIo (truncated) or kFormat.
+std::vector<TensorInfo> parse_safetensors_buffer(const uint8_t* bytes, uint64_t size,
+                                                 const std::string& origin,
+                                                 uint64_t* data_offset);
+
 class SafetensorsFile {
  public:
   // Maps the file and validates its header; throws kIo (missing, unreadable, truncated) or

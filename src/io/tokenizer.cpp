@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -43,7 +44,6 @@ bool get_bool(const json& j, const char* key, bool fallback) {
   return it->get<bool>();
 }
 
-
 // Parsed text of one merge: the two tokens concatenated, and where the second one starts.
 struct RawMerge {
   std::string joined;
@@ -68,11 +68,13 @@ class TokenizerSax : public nlohmann::json_sax<json> {
     return mode() == Mode::kVocab ? vocab_entry(v) : value(v);
   }
   bool number_unsigned(number_unsigned_t v) override {
-    return mode() == Mode::kVocab ? vocab_entry(static_cast<int64_t>(std::min<uint64_t>(v, 1ull << 40)))
-                                  : value(v);
+    return mode() == Mode::kVocab
+               ? vocab_entry(static_cast<int64_t>(std::min<uint64_t>(v, 1ull << 40)))
+               : value(v);
   }
   bool number_float(number_float_t v, const string_t&) override {
-    if (mode() == Mode::kVocab) return fail(fmt::format("vocab entry '{}' has a non-integer id", key_));
+    if (mode() == Mode::kVocab)
+      return fail(fmt::format("vocab entry '{}' has a non-integer id", key_));
     return value(v);
   }
   bool binary(binary_t&) override { return fail("unexpected binary value"); }
@@ -140,7 +142,8 @@ class TokenizerSax : public nlohmann::json_sax<json> {
     stack_.pop_back();
     return true;
   }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override {
+  bool parse_error(std::size_t, const std::string&,
+                   const nlohmann::detail::exception& ex) override {
     return fail(ex.what());
   }
 
@@ -231,8 +234,7 @@ struct Loader {
     t.fuse_unk = get_bool(m, "fuse_unk", false);
 
     MOE_CHECK(sax.have_vocab, kFormat, "{}: model \"vocab\" is missing or not an object", origin);
-    MOE_CHECK(sax.have_merges, kFormat, "{}: model \"merges\" is missing or not an array",
-              origin);
+    MOE_CHECK(sax.have_merges, kFormat, "{}: model \"merges\" is missing or not an array", origin);
 
     if (auto it = m.find("unk_token"); it != m.end() && !it->is_null()) {
       const auto unk = it->get<std::string>();
@@ -330,7 +332,8 @@ struct Loader {
     } else if (type == "ByteLevel") {
       pt.kind = tok::PreTokenizer::Kind::kByteLevel;
       pt.add_prefix_space = get_bool(p, "add_prefix_space", true);
-      if (get_bool(p, "use_regex", true)) pt.regex = std::make_unique<tok::Regex>(kGpt2Pattern, origin);
+      if (get_bool(p, "use_regex", true))
+        pt.regex = std::make_unique<tok::Regex>(kGpt2Pattern, origin);
     } else {
       MOE_THROW(kUnsupported,
                 "{}: pre-tokenizer type '{}' is not supported (Sequence, Split, Digits, ByteLevel)",
@@ -409,7 +412,9 @@ struct Loader {
       return;
     }
     MOE_THROW(kUnsupported, "{}: decoder type '{}' is not supported (only ByteLevel)", origin,
-              d.is_null() ? "null" : type.empty() ? one_line(d.dump()) : type);
+              d.is_null()    ? "null"
+              : type.empty() ? one_line(d.dump())
+                             : type);
   }
 
   void added_tokens(const json& a) {
@@ -419,8 +424,8 @@ struct Loader {
       tok::AddedToken tk;
       tk.id = e.at("id").get<int32_t>();
       tk.content = e.at("content").get<std::string>();
-      MOE_CHECK(tk.id >= 0 && tk.id < (1 << 30), kFormat, "{}: added token '{}' has id {} out of range",
-                origin, tk.content, tk.id);
+      MOE_CHECK(tk.id >= 0 && tk.id < (1 << 30), kFormat,
+                "{}: added token '{}' has id {} out of range", origin, tk.content, tk.id);
       tk.single_word = get_bool(e, "single_word", false);
       tk.lstrip = get_bool(e, "lstrip", false);
       tk.rstrip = get_bool(e, "rstrip", false);
@@ -492,6 +497,9 @@ struct Loader {
 }  // namespace
 
 Tokenizer Tokenizer::from_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    MOE_THROW(kIo, "tokenizer file '{}' is a directory", path);
   std::ifstream in(path, std::ios::binary);
   if (!in) MOE_THROW(kIo, "cannot open tokenizer file '{}': {}", path, std::strerror(errno));
   std::string text;

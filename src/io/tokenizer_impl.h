@@ -120,8 +120,8 @@ struct Tokenizer::Impl {
   // Added tokens.
   std::vector<tok::AddedToken> added;
   tok::StringMap added_by_content;  // content -> id
-  tok::TokenTrie raw_trie;         // tokens with normalized == false: matched on the raw text
-  tok::TokenTrie normalized_trie;  // tokens with normalized == true: matched after normalization
+  tok::TokenTrie raw_trie;          // tokens with normalized == false: matched on the raw text
+  tok::TokenTrie normalized_trie;   // tokens with normalized == true: matched after normalization
 
   // Post-processor for add_special (single sequence).
   std::vector<int32_t> prefix_ids, suffix_ids;

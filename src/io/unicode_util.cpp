@@ -1,7 +1,7 @@
 // UTF-8 helpers and NFC normalization for the tokenizer.
 //
-// NFC: Qwen3's tokenizer.json normalizes with NFC. ICU would do it, but the tools are carried to GPU
-// hosts without ICU and a static ICU drags in its ~30 MB data library, so instead
+// NFC: Qwen3's tokenizer.json normalizes with NFC. ICU would do it, but the tools are carried to
+// GPU hosts without ICU and a static ICU drags in its ~30 MB data library, so instead
 // scripts/gen_nfc_table.py writes the few Unicode tables NFC needs (combining classes, canonical
 // decompositions, primary composites; ~25 KB of text) from Python's unicodedata into
 // src/io/nfc_table.inc, and this file implements the UAX #15 algorithm over them: full canonical
@@ -37,7 +37,7 @@ struct CccRange {
 struct NfcTables {
   std::vector<CccRange> ccc;
   std::unordered_map<char32_t, std::pair<char32_t, char32_t>> decomp;  // second == 0: singleton
-  std::unordered_map<uint64_t, char32_t> compose;                     // (first << 21 | second)
+  std::unordered_map<uint64_t, char32_t> compose;                      // (first << 21 | second)
   std::unordered_set<char32_t> unstable;  // code points whose presence may change the text
   char32_t min_unstable = 0x10FFFF;
 
@@ -56,9 +56,12 @@ struct NfcTables {
         uint32_t v = 0;
         while (true) {
           char c = *p;
-          if (c >= '0' && c <= '9') v = v * 16 + uint32_t(c - '0');
-          else if (c >= 'a' && c <= 'f') v = v * 16 + uint32_t(c - 'a' + 10);
-          else break;
+          if (c >= '0' && c <= '9')
+            v = v * 16 + uint32_t(c - '0');
+          else if (c >= 'a' && c <= 'f')
+            v = v * 16 + uint32_t(c - 'a' + 10);
+          else
+            break;
           ++p;
         }
         f[k] = v;

@@ -42,8 +42,8 @@ uint8_t combining_class(char32_t cp);
 // cannot change under NFC (the common case) is returned without allocation-heavy work.
 std::string nfc(std::string_view s);
 
-// The GPT-2 byte-level alphabet: byte b is written as the code point byte_to_char()[b], so that every
-// byte becomes a printable, non-space character.
+// The GPT-2 byte-level alphabet: byte b is written as the code point byte_to_char()[b], so that
+// every byte becomes a printable, non-space character.
 const std::array<char32_t, 256>& byte_to_char();
 
 }  // namespace moe::unicode

@@ -6,8 +6,7 @@ namespace moe {
 
 void parse_qwen3(const HfConfig& cfg, ModelConfig& mc) {
   parse_decoder_common(cfg, mc);
-  mc.qk_norm = true;
-  mc.rope_style = RopeStyle::kHalf;
+  mc.qk_norm = QkNorm::kPerHead;
   mc.moe_layers.assign(static_cast<size_t>(mc.num_layers), false);
 }
 

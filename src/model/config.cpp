@@ -14,17 +14,13 @@ int64_t ModelConfig::num_moe_layers() const {
   return n;
 }
 
-int64_t ModelConfig::parameter_count() const {
-  int64_t h = hidden_size;
-  int64_t attn = h * (num_heads * head_dim) * 2 + h * (num_kv_heads * head_dim) * 2;
-  if (attention_bias) attn += (num_heads + 2 * num_kv_heads) * head_dim;
-  if (qk_norm) attn += 2 * head_dim;
-  int64_t dense = 3 * h * intermediate_size;
-  int64_t sparse = moe.num_experts * 3 * h * moe.intermediate_size + moe.num_experts * h;
-  int64_t total = vocab_size * h * (tie_word_embeddings ? 1 : 2) + h;
-  for (int64_t l = 0; l < num_layers; ++l)
-    total += attn + 2 * h + (moe_layers[static_cast<size_t>(l)] ? sparse : dense);
-  return total;
+int64_t ModelConfig::kv_key_width() const {
+  return attention == AttentionKind::kMla ? mla.kv_lora_rank + mla.qk_rope_head_dim
+                                          : num_kv_heads * head_dim;
+}
+
+int64_t ModelConfig::kv_value_width() const {
+  return attention == AttentionKind::kMla ? 0 : num_kv_heads * head_dim;
 }
 
 void parse_decoder_common(const HfConfig& cfg, ModelConfig& mc) {
@@ -39,7 +35,7 @@ void parse_decoder_common(const HfConfig& cfg, ModelConfig& mc) {
   mc.rms_norm_eps = cfg.get_or<float>({"rms_norm_eps", "layer_norm_epsilon"}, 1e-6f);
   mc.rope_theta = cfg.get_or<float>({"rope_theta", "rope_parameters.rope_theta"}, 10000.0f);
   mc.tie_word_embeddings = cfg.get_or<bool>({"tie_word_embeddings"}, false);
-  mc.attention_bias = cfg.get_or<bool>({"attention_bias"}, false);
+  mc.qkv_bias = mc.o_bias = cfg.get_or<bool>({"attention_bias"}, false);
   // Only plain rotary embeddings exist so far; refuse scaled variants rather than run them wrong.
   std::string rope_type =
       cfg.get_or<std::string>({"rope_parameters.rope_type", "rope_scaling.rope_type",
@@ -47,6 +43,11 @@ void parse_decoder_common(const HfConfig& cfg, ModelConfig& mc) {
                               "default");
   MOE_CHECK(rope_type == "default", kUnsupported,
             "{}: rope type '{}' is not supported yet (only 'default')", cfg.origin(), rope_type);
+  std::string act = cfg.get_or<std::string>({"hidden_act", "hidden_activation"}, "silu");
+  MOE_CHECK(act == "silu", kUnsupported, "{}: hidden_act '{}' is not supported (only 'silu')",
+            cfg.origin(), act);
+  MOE_CHECK(!cfg.get_or<bool>({"use_sliding_window"}, false), kUnsupported,
+            "{}: sliding-window attention is not supported", cfg.origin());
   if (const auto* eos = cfg.find({"eos_token_id"})) {
     if (eos->is_array())
       for (const auto& e : *eos) mc.eos_token_ids.push_back(e.get<int32_t>());
@@ -79,9 +80,16 @@ void validate_model_config(const ModelConfig& mc, const std::string& origin) {
   if (mc.num_moe_layers() > 0) {
     positive(mc.moe.num_experts, "the number of experts");
     positive(mc.moe.intermediate_size, "the expert intermediate size");
-    MOE_CHECK(mc.moe.top_k > 0 && mc.moe.top_k <= mc.moe.num_experts, kConfig,
-              "{}: num_experts_per_tok {} must be in [1, {}]", origin, mc.moe.top_k,
-              mc.moe.num_experts);
+    MOE_CHECK(mc.moe.router.num_experts == mc.moe.num_experts && mc.moe.router.top_k == mc.moe.top_k,
+              kInternal, "{}: router and MoE block disagree", origin);
+    validate_router(mc.moe.router, origin);
+  }
+  if (mc.attention == AttentionKind::kMla) {
+    positive(mc.mla.kv_lora_rank, "kv_lora_rank");
+    positive(mc.mla.qk_nope_head_dim, "qk_nope_head_dim");
+    positive(mc.mla.qk_rope_head_dim, "qk_rope_head_dim");
+    positive(mc.mla.v_head_dim, "v_head_dim");
+    MOE_CHECK(mc.mla.qk_rope_head_dim % 2 == 0, kConfig, "{}: qk_rope_head_dim must be even", origin);
   }
   for (int32_t id : mc.eos_token_ids)
     MOE_CHECK(id >= 0, kConfig, "{}: negative eos_token_id {}", origin, id);

@@ -7,10 +7,27 @@
 #include <vector>
 
 #include "io/hf_config.h"
+#include "moe/router.h"
 
 namespace moe {
 
 enum class RopeStyle { kHalf, kInterleaved };
+enum class AttentionKind { kGqa, kMla };
+enum class QkNorm {
+  kNone,
+  kPerHead,  // RMSNorm over each head's head_dim features (Qwen3)
+  kFull,     // RMSNorm over the whole q / k projection (OLMoE)
+};
+
+// Multi-head latent attention (DeepSeek-V2/V3).
+struct MlaConfig {
+  int64_t q_lora_rank = 0;  // 0: q_proj straight from hidden
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+};
 
 // Where a sparse MoE block keeps its tensors, relative to "model.layers.<i>.".
 struct MoeNames {
@@ -19,13 +36,16 @@ struct MoeNames {
   std::string gate = "gate_proj";   // <block>.experts.<e>.<gate>.weight is [inter, hidden]
   std::string up = "up_proj";
   std::string down = "down_proj";   // [hidden, inter]
+  std::string shared = "shared_experts";  // <block>.<shared>.{gate,up,down}_proj
 };
 
 struct MoeConfig {
   int64_t num_experts = 0;
   int64_t top_k = 0;
-  int64_t intermediate_size = 0;  // per expert
-  bool norm_topk_prob = true;     // renormalise the k routing weights to sum to 1
+  int64_t intermediate_size = 0;    // per routed expert
+  RouterConfig router;
+  int64_t shared_intermediate = 0;  // 0: no shared expert
+  bool shared_gate = false;         // Qwen2-MoE: sigmoid(<block>.shared_expert_gate · x) scales it
   MoeNames names;
 };
 
@@ -42,8 +62,12 @@ struct ModelConfig {
   float rms_norm_eps = 1e-6f;
   float rope_theta = 10000.0f;
   RopeStyle rope_style = RopeStyle::kHalf;
-  bool qk_norm = false;         // per-head RMSNorm of q and k (Qwen3)
-  bool attention_bias = false;  // biases on q, k, v projections
+  AttentionKind attention = AttentionKind::kGqa;
+  MlaConfig mla;
+  QkNorm qk_norm = QkNorm::kNone;
+  bool qkv_bias = false;  // biases on the q, k, v projections
+  bool o_bias = false;    // bias on the output projection
+  float clip_qkv = 0.0f;  // > 0: q, k, v clamped to [-clip, clip] (OLMoE)
   bool tie_word_embeddings = false;
   MoeConfig moe;
   std::vector<bool> moe_layers;  // per layer: sparse MoE block (true) or dense MLP
@@ -51,8 +75,10 @@ struct ModelConfig {
   int32_t bos_token_id = -1;
 
   int64_t num_moe_layers() const;
-  // Parameter count implied by the config (what `info` reports next to the checkpoint's).
-  int64_t parameter_count() const;
+  // Floats one token keeps in the KV cache per layer (keys, values). MLA keeps the compressed
+  // latent and the rotary key part only.
+  int64_t kv_key_width() const;
+  int64_t kv_value_width() const;
 };
 
 // Reads <dir>/config.json (and generation_config.json for stop tokens when present), picks the

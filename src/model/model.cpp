@@ -10,39 +10,75 @@
 #include "backend/cpu/kernels.h"
 #include "io/checkpoint.h"
 #include "moe/errors.h"
+#include "moe/router.h"
 #include "ops/ops.h"
 
 namespace moe {
 
-Model::Model(std::string dir, ModelConfig config, int threads)
+namespace {
+// transformers builds DeepSeek's q_a / kv_a RMSNorms without passing the config's epsilon.
+constexpr float kLatentNormEps = 1e-6f;
+}  // namespace
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> state_dict_keys(
+    const ModelConfig& mc, const ExpertSelection& experts) {
+  Arena unused("record", 4096);
+  WeightLoader recorder = WeightLoader::recording(unused);
+  load_weights(mc, recorder, experts);
+  std::vector<std::pair<std::string, std::vector<int64_t>>> keys;
+  for (const auto& entry : recorder.taken())
+    if (keys.empty() || std::none_of(keys.begin(), keys.end(), [&](const auto& k) { return k.first == entry.first; }))
+      keys.push_back(entry);
+  return keys;
+}
+
+int64_t parameter_count(const ModelConfig& mc) {
+  int64_t total = 0;
+  for (const auto& [name, shape] : state_dict_keys(mc)) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    total += n;
+  }
+  return total;
+}
+
+Model::Model(std::string dir, ModelConfig config, int threads, ExecMode exec)
     : dir_(std::move(dir)),
       config_(std::move(config)),
+      exec_(exec),
       pool_(threads),
       weights_arena_("weights", 64 << 20),
       workspace_("workspace", 16 << 20) {}
 
 std::unique_ptr<Model> Model::load(const std::string& dir, const LoadOptions& opts) {
   ModelConfig mc = load_model_config(dir);
-  std::unique_ptr<Model> model(new Model(dir, mc, opts.threads));
-  Checkpoint ckpt(dir);
-  WeightLoader loader(ckpt, model->weights_arena_, opts.strict);
-  const bool draw = opts.progress && isatty(STDERR_FILENO) && ckpt.total_bytes() >= (64u << 20);
-  int last_percent = -1;
-  if (draw) {
-    loader.on_progress = [&](uint64_t done, uint64_t total) {
-      int percent = static_cast<int>(100.0 * static_cast<double>(done) / static_cast<double>(total));
-      if (percent == last_percent) return;
-      last_percent = percent;
-      std::fprintf(stderr, "\rloading weights: %3d%% (%.2f / %.2f GB)", percent, done / 1e9,
-                   total / 1e9);
-      std::fflush(stderr);
-    };
+  std::unique_ptr<Model> model(new Model(dir, mc, opts.threads, opts.exec));
+  ExpertSelection all;
+  if (opts.random_weights) {
+    WeightLoader loader(model->weights_arena_, opts.seed);
+    model->weights_ = load_weights(mc, loader, all);
+  } else {
+    Checkpoint ckpt(dir);
+    WeightLoader loader(ckpt, model->weights_arena_, opts.strict);
+    const bool draw = opts.progress && isatty(STDERR_FILENO) && ckpt.total_bytes() >= (64u << 20);
+    int last_percent = -1;
+    if (draw) {
+      loader.on_progress = [&](uint64_t done, uint64_t total) {
+        int percent = static_cast<int>(100.0 * static_cast<double>(done) / static_cast<double>(total));
+        if (percent == last_percent) return;
+        last_percent = percent;
+        std::fprintf(stderr, "\rloading weights: %3d%% (%.2f / %.2f GB)", percent, done / 1e9,
+                     total / 1e9);
+        std::fflush(stderr);
+      };
+    }
+    model->weights_ = load_weights(mc, loader, all);
+    loader.finish();
+    if (draw) std::fprintf(stderr, "\n");
   }
-  model->weights_ = load_weights(mc, loader, model->weights_arena_);
-  loader.finish();
-  if (draw) std::fprintf(stderr, "\n");
+  for (int64_t e = 0; e < mc.moe.num_experts; ++e) model->local_of_.push_back(static_cast<int32_t>(e));
 
-  const int64_t hd = mc.head_dim;
+  const int64_t hd = mc.head_dim;  // the rotary width (qk_rope_head_dim for MLA)
   for (int64_t i = 0; i < hd / 2; ++i) {
     // As transformers computes it: in f32, base ** (2i / d), then the reciprocal.
     float exponent = static_cast<float>(2 * i) / static_cast<float>(hd);
@@ -57,24 +93,29 @@ std::unique_ptr<Model> Model::load(const std::string& dir, const LoadOptions& op
 
 KvCache Model::new_cache(int64_t capacity) const {
   if (capacity <= 0) capacity = config_.max_position_embeddings;
-  const int64_t width = config_.num_kv_heads * config_.head_dim;
-  return KvCache(config_.num_layers, capacity, width, width);
+  return KvCache(config_.num_layers, capacity, config_.kv_key_width(), config_.kv_value_width());
 }
 
 void Model::attention(int64_t layer, const Tensor& h, const std::vector<int32_t>& positions,
                       KvCache& cache, Tensor& out) {
   const ModelConfig& c = config_;
+  if (c.attention == AttentionKind::kMla) return latent_attention(layer, h, positions, cache, out);
   const AttentionWeights& w = weights_.layers[static_cast<size_t>(layer)].attn;
   const int64_t t = h.dim(0), hd = c.head_dim, start = cache.length();
   Tensor q = Tensor::empty(workspace_, {t, c.num_heads * hd});
   Tensor k = Tensor::empty(workspace_, {t, c.num_kv_heads * hd});
   Tensor v = Tensor::empty(workspace_, {t, c.num_kv_heads * hd});
-  ops::linear(pool_, h, w.q, c.attention_bias ? &w.q_bias : nullptr, q);
-  ops::linear(pool_, h, w.k, c.attention_bias ? &w.k_bias : nullptr, k);
-  ops::linear(pool_, h, w.v, c.attention_bias ? &w.v_bias : nullptr, v);
-  if (c.qk_norm) {
+  ops::linear(pool_, h, w.q, c.qkv_bias ? &w.q_bias : nullptr, q);
+  ops::linear(pool_, h, w.k, c.qkv_bias ? &w.k_bias : nullptr, k);
+  ops::linear(pool_, h, w.v, c.qkv_bias ? &w.v_bias : nullptr, v);
+  if (c.qk_norm != QkNorm::kNone) {
     ops::rms_norm_groups(pool_, q, w.q_norm, c.rms_norm_eps);
     ops::rms_norm_groups(pool_, k, w.k_norm, c.rms_norm_eps);
+  }
+  if (c.clip_qkv > 0.0f) {
+    for (Tensor* x : {&q, &k, &v})
+      for (int64_t i = 0; i < x->numel(); ++i)
+        x->data<float>()[i] = std::clamp(x->data<float>()[i], -c.clip_qkv, c.clip_qkv);
   }
   auto rope = c.rope_style == RopeStyle::kHalf ? cpu::rope_half : cpu::rope_interleaved;
   rope(q.data<float>(), t, c.num_heads, hd, hd, positions.data(), inv_freq_.data());
@@ -86,6 +127,65 @@ void Model::attention(int64_t layer, const Tensor& h, const std::vector<int32_t>
   cpu::attention(pool_, q.data<float>(), cache.k(layer), cache.v(layer), attn.data<float>(), t,
                  start + t, c.num_heads, c.num_kv_heads, hd, hd, width, width,
                  1.0f / std::sqrt(static_cast<float>(hd)));
+  ops::linear(pool_, attn, w.o, c.o_bias ? &w.o_bias : nullptr, out);
+}
+
+// Multi-head latent attention. The cache row of a token is [normalised kv latent | rotated
+// shared key part]; keys and values of every head are expanded from the latents of the whole
+// context at each call (simple, and exact; the absorbed form is a GPU-path optimisation).
+void Model::latent_attention(int64_t layer, const Tensor& h, const std::vector<int32_t>& positions,
+                             KvCache& cache, Tensor& out) {
+  const ModelConfig& c = config_;
+  const MlaConfig& m = c.mla;
+  const AttentionWeights& w = weights_.layers[static_cast<size_t>(layer)].attn;
+  const int64_t t = h.dim(0), heads = c.num_heads, qk = m.qk_head_dim(), start = cache.length();
+  const int64_t nope = m.qk_nope_head_dim, rope_dim = m.qk_rope_head_dim, vd = m.v_head_dim;
+  const int64_t lora = m.kv_lora_rank, row = lora + rope_dim, ctx = start + t;
+
+  Tensor q = Tensor::empty(workspace_, {t, heads * qk});
+  if (m.q_lora_rank > 0) {
+    Tensor qa = Tensor::empty(workspace_, {t, m.q_lora_rank});
+    ops::linear(pool_, h, w.q_a, nullptr, qa);
+    ops::rms_norm(pool_, qa, w.q_a_norm, kLatentNormEps, qa);
+    ops::linear(pool_, qa, w.q_b, nullptr, q);
+  } else {
+    ops::linear(pool_, h, w.q, nullptr, q);
+  }
+  // Rotate the last rope_dim features of every head: view q as [t * heads, qk] rows.
+  for (int64_t i = 0; i < t; ++i)
+    cpu::rope_interleaved(q.data<float>() + i * heads * qk + nope, 1, heads, qk, rope_dim,
+                          &positions[static_cast<size_t>(i)], inv_freq_.data());
+  Tensor kv = Tensor::empty(workspace_, {t, row});
+  ops::linear(pool_, h, w.kv_a, nullptr, kv);
+  float* cache_rows = cache.k(layer);
+  for (int64_t i = 0; i < t; ++i) {
+    float* dst = cache_rows + (start + i) * row;
+    const float* src = kv.data<float>() + i * row;
+    cpu::rms_norm(pool_, src, w.kv_a_norm.data<float>(), dst, 1, lora, kLatentNormEps);
+    std::memcpy(dst + lora, src + lora, static_cast<size_t>(rope_dim) * 4);
+    cpu::rope_interleaved(dst + lora, 1, 1, rope_dim, rope_dim, &positions[static_cast<size_t>(i)],
+                          inv_freq_.data());
+  }
+  // Expand the whole context's latents into per-head keys and values.
+  Tensor latents = Tensor::empty(workspace_, {ctx, lora});
+  for (int64_t j = 0; j < ctx; ++j)
+    std::memcpy(latents.data<float>() + j * lora, cache_rows + j * row, static_cast<size_t>(lora) * 4);
+  Tensor kvb = Tensor::empty(workspace_, {ctx, heads * (nope + vd)});
+  ops::linear(pool_, latents, w.kv_b, nullptr, kvb);
+  Tensor keys = Tensor::empty(workspace_, {ctx, heads * qk});
+  Tensor values = Tensor::empty(workspace_, {ctx, heads * vd});
+  for (int64_t j = 0; j < ctx; ++j)
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      const float* src = kvb.data<float>() + (j * heads + hh) * (nope + vd);
+      float* kd = keys.data<float>() + (j * heads + hh) * qk;
+      std::memcpy(kd, src, static_cast<size_t>(nope) * 4);
+      std::memcpy(kd + nope, cache_rows + j * row + lora, static_cast<size_t>(rope_dim) * 4);
+      std::memcpy(values.data<float>() + (j * heads + hh) * vd, src + nope, static_cast<size_t>(vd) * 4);
+    }
+  Tensor attn = Tensor::empty(workspace_, {t, heads * vd});
+  cpu::attention(pool_, q.data<float>(), keys.data<float>(), values.data<float>(), attn.data<float>(),
+                 t, ctx, heads, heads, qk, vd, heads * qk, heads * vd,
+                 1.0f / std::sqrt(static_cast<float>(qk)));
   ops::linear(pool_, attn, w.o, nullptr, out);
 }
 
@@ -101,49 +201,30 @@ void Model::dense_ffn(const FfnWeights& w, const Tensor& h, Tensor& out) {
 void Model::sparse_ffn(int64_t layer, const Tensor& h, Tensor& out) {
   const ModelConfig& c = config_;
   const MoeWeights& w = weights_.layers[static_cast<size_t>(layer)].moe;
-  const int64_t t = h.dim(0), hidden = c.hidden_size, n_exp = c.moe.num_experts, k = c.moe.top_k;
-  Tensor probs = Tensor::empty(workspace_, {t, n_exp});
-  ops::linear(pool_, h, w.router, nullptr, probs);
-  cpu::softmax_rows(probs.data<float>(), t, n_exp);
-  // Top-k per token; ties go to the lower expert index, so routing is deterministic.
-  std::vector<std::vector<std::pair<int64_t, float>>> per_expert(static_cast<size_t>(n_exp));
-  std::vector<int64_t> order(static_cast<size_t>(n_exp));
-  for (int64_t i = 0; i < t; ++i) {
-    const float* p = probs.data<float>() + i * n_exp;
-    for (int64_t e = 0; e < n_exp; ++e) order[static_cast<size_t>(e)] = e;
-    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
-      return p[a] > p[b] || (p[a] == p[b] && a < b);
-    });
-    float sum = 0.0f;
-    for (int64_t j = 0; j < k; ++j) sum += p[order[static_cast<size_t>(j)]];
-    for (int64_t j = 0; j < k; ++j) {
-      int64_t e = order[static_cast<size_t>(j)];
-      float weight = c.moe.norm_topk_prob ? p[e] / sum : p[e];
-      per_expert[static_cast<size_t>(e)].push_back({i, weight});
-    }
-  }
-  std::memset(out.raw(), 0, out.nbytes());
+  const int64_t t = h.dim(0), n_exp = c.moe.num_experts, k = c.moe.top_k;
+  Tensor logits = Tensor::empty(workspace_, {t, n_exp});
+  ops::linear(pool_, h, w.router, nullptr, logits);
+  std::vector<int32_t> ids(static_cast<size_t>(t * k));
+  std::vector<float> weights(static_cast<size_t>(t * k));
+  route(c.moe.router, logits.data<float>(), w.router_bias.defined() ? w.router_bias.data<float>() : nullptr,
+        t, ids.data(), weights.data());
   auto& stats = expert_tokens_[static_cast<size_t>(layer)];
-  for (int64_t e = 0; e < n_exp; ++e) {
-    const auto& tokens = per_expert[static_cast<size_t>(e)];
-    if (tokens.empty()) continue;
-    stats[static_cast<size_t>(e)] += static_cast<int64_t>(tokens.size());
-    const FfnWeights& expert = w.experts[static_cast<size_t>(e)];
-    MOE_CHECK(expert.defined(), kInternal, "layer {}: expert {} is routed to but not loaded", layer,
-              e);
-    const int64_t n = static_cast<int64_t>(tokens.size());
-    Tensor xin = Tensor::empty(workspace_, {n, hidden});
-    for (int64_t j = 0; j < n; ++j)
-      std::memcpy(xin.data<float>() + j * hidden, h.data<float>() + tokens[static_cast<size_t>(j)].first * hidden,
-                  static_cast<size_t>(hidden) * 4);
-    Tensor y = Tensor::empty(workspace_, {n, hidden});
-    dense_ffn(expert, xin, y);
-    for (int64_t j = 0; j < n; ++j) {
-      auto [row, weight] = tokens[static_cast<size_t>(j)];
-      float* o = out.data<float>() + row * hidden;
-      const float* yr = y.data<float>() + j * hidden;
-      for (int64_t d = 0; d < hidden; ++d) o[d] += weight * yr[d];
+  for (int32_t e : ids) ++stats[static_cast<size_t>(e)];
+  run_experts(exec_, pool_, workspace_, w.experts, local_of_, h, ids.data(), weights.data(), k, out,
+              plan_);
+  if (w.shared.defined()) {
+    Tensor shared = Tensor::empty(workspace_, {t, c.hidden_size});
+    dense_ffn(w.shared, h, shared);
+    if (w.shared_gate.defined()) {
+      Tensor gate = Tensor::empty(workspace_, {t, 1});
+      ops::linear(pool_, h, w.shared_gate, nullptr, gate);
+      for (int64_t i = 0; i < t; ++i) {
+        float g = 1.0f / (1.0f + std::exp(-gate.data<float>()[i]));
+        float* s = shared.data<float>() + i * c.hidden_size;
+        for (int64_t d = 0; d < c.hidden_size; ++d) s[d] *= g;
+      }
     }
+    ops::add_inplace(out, shared);
   }
 }
 
@@ -158,8 +239,8 @@ Tensor Model::forward(std::span<const int32_t> ids, KvCache& cache, bool all_log
   MOE_CHECK(start + t <= cache.capacity(), kInvalidArgument,
             "context full: {} cached + {} new tokens exceed the capacity of {}", start, t,
             cache.capacity());
-  MOE_CHECK(cache.k_width() == c.num_kv_heads * c.head_dim, kInvalidArgument,
-            "KV cache was made for another model");
+  MOE_CHECK(cache.k_width() == c.kv_key_width() && cache.v_width() == c.kv_value_width(),
+            kInvalidArgument, "KV cache was made for another model");
   workspace_.reset();
   std::vector<int32_t> positions(static_cast<size_t>(t));
   for (int64_t i = 0; i < t; ++i) positions[static_cast<size_t>(i)] = static_cast<int32_t>(start + i);

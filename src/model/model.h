@@ -1,6 +1,5 @@
 // A decoder-only model on the CPU: loads a Hugging Face directory and runs forwards that extend a
-// KV cache. The public entry point of the engine (the tools and tests use only this and the
-// tokenizer).
+// KV cache. The tools and tests use only this and the tokenizer.
 #pragma once
 
 #include <memory>
@@ -12,6 +11,7 @@
 #include "core/thread_pool.h"
 #include "model/config.h"
 #include "model/weights.h"
+#include "moe/experts.h"
 #include "runtime/kv_cache.h"
 
 namespace moe {
@@ -20,6 +20,11 @@ struct LoadOptions {
   bool strict = true;     // every tensor must be used and present
   int threads = 0;        // CPU threads; 0 = all hardware threads
   bool progress = false;  // draw a progress line on stderr when it is a terminal
+  // Ignore the checkpoint: take config.json only and draw random weights (benchmarks of real
+  // shapes). The directory needs no weight files.
+  bool random_weights = false;
+  uint64_t seed = 0;
+  ExecMode exec = ExecMode::kGrouped;  // how routed experts run
 };
 
 class Model {
@@ -40,25 +45,37 @@ class Model {
 
   size_t weight_bytes() const { return weights_arena_.used(); }
   size_t workspace_bytes() const { return workspace_.high_water(); }
-  // Tokens routed to each expert of each sparse layer since load (layer -> expert -> count).
+  // Tokens routed to each expert of each layer since load (layer -> expert -> count; empty for
+  // dense layers).
   const std::vector<std::vector<int64_t>>& expert_tokens() const { return expert_tokens_; }
   ThreadPool& pool() { return pool_; }
 
  private:
-  Model(std::string dir, ModelConfig config, int threads);
+  Model(std::string dir, ModelConfig config, int threads, ExecMode exec);
   void attention(int64_t layer, const Tensor& h, const std::vector<int32_t>& positions,
                  KvCache& cache, Tensor& out);
+  void latent_attention(int64_t layer, const Tensor& h, const std::vector<int32_t>& positions,
+                        KvCache& cache, Tensor& out);
   void dense_ffn(const FfnWeights& w, const Tensor& h, Tensor& out);
   void sparse_ffn(int64_t layer, const Tensor& h, Tensor& out);
 
   std::string dir_;
   ModelConfig config_;
+  ExecMode exec_;
   ThreadPool pool_;
   Arena weights_arena_;
   Arena workspace_;
   ModelWeights weights_;
+  std::vector<int32_t> local_of_;  // global expert -> packed index on this rank
+  ExpertPlan plan_;
   std::vector<float> inv_freq_;
   std::vector<std::vector<int64_t>> expert_tokens_;
 };
+
+// The state-dict keys (and shapes) a configuration implies, in load order; `experts` limits the
+// routed experts as a rank of an expert-parallel group would.
+std::vector<std::pair<std::string, std::vector<int64_t>>> state_dict_keys(
+    const ModelConfig& mc, const ExpertSelection& experts = {});
+int64_t parameter_count(const ModelConfig& mc);
 
 }  // namespace moe

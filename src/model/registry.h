@@ -17,9 +17,20 @@ struct Architecture {
 const Architecture* find_architecture(const std::string& name);
 std::string supported_architectures();  // comma-separated, for error messages
 
+// Shared by the parsers: the softmax router, and Qwen's way of choosing sparse layers
+// (num_experts, moe_intermediate_size, norm_topk_prob, mlp_only_layers, decoder_sparse_step).
+RouterConfig softmax_router(int64_t experts, int64_t top_k, bool renormalize);
+// OLMoE sizes its experts with intermediate_size; the Qwen family with moe_intermediate_size.
+void parse_qwen_style_moe(const HfConfig& cfg, ModelConfig& mc,
+                          bool expert_size_is_intermediate = false);
+
 // Parsers defined in the arch_*.cpp files.
 void parse_qwen3(const HfConfig& cfg, ModelConfig& mc);
 void parse_qwen3_moe(const HfConfig& cfg, ModelConfig& mc);
+void parse_qwen2_moe(const HfConfig& cfg, ModelConfig& mc);
+void parse_olmoe(const HfConfig& cfg, ModelConfig& mc);
 void parse_mixtral(const HfConfig& cfg, ModelConfig& mc);
+void parse_deepseek_v2(const HfConfig& cfg, ModelConfig& mc);
+void parse_deepseek_v3(const HfConfig& cfg, ModelConfig& mc);
 
 }  // namespace moe

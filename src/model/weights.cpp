@@ -6,55 +6,111 @@ namespace moe {
 
 namespace {
 
-FfnWeights load_ffn(WeightLoader& loader, Arena& arena, const std::string& prefix,
-                    const std::string& gate, const std::string& up, const std::string& down,
-                    int64_t hidden, int64_t inter) {
+// Gate and up of one FFN into rows [0, inter) and [inter, 2 * inter) of `gate_up`; down into
+// `down`. Both destinations are [.., hidden] / [hidden, inter] slices owned by the caller.
+void take_ffn(WeightLoader& loader, const std::string& prefix, const MoeNames& n, float* gate_up,
+              float* down, int64_t hidden, int64_t inter) {
+  loader.take_into(prefix + n.gate + ".weight", {inter, hidden}, gate_up);
+  loader.take_into(prefix + n.up + ".weight", {inter, hidden}, gate_up ? gate_up + inter * hidden : nullptr);
+  loader.take_into(prefix + n.down + ".weight", {hidden, inter}, down);
+}
+
+FfnWeights load_ffn(WeightLoader& loader, const std::string& prefix, int64_t hidden, int64_t inter) {
   FfnWeights w;
-  w.gate_up = Tensor::empty(arena, {2 * inter, hidden});
-  loader.take_into(prefix + gate + ".weight", {inter, hidden}, w.gate_up.data<float>());
-  loader.take_into(prefix + up + ".weight", {inter, hidden},
-                   w.gate_up.data<float>() + inter * hidden);
-  w.down = loader.take(prefix + down + ".weight", {hidden, inter});
+  w.gate_up = loader.allocate({2 * inter, hidden});
+  w.down = loader.allocate({hidden, inter});
+  take_ffn(loader, prefix, MoeNames{}, w.gate_up.data<float>(), w.down.data<float>(), hidden, inter);
   return w;
+}
+
+void load_attention(const ModelConfig& mc, WeightLoader& loader, const std::string& p,
+                    AttentionWeights& a) {
+  const int64_t h = mc.hidden_size, heads = mc.num_heads;
+  if (mc.attention == AttentionKind::kMla) {
+    const MlaConfig& m = mc.mla;
+    if (m.q_lora_rank > 0) {
+      a.q_a = loader.take(p + "self_attn.q_a_proj.weight", {m.q_lora_rank, h});
+      a.q_a_norm = loader.take(p + "self_attn.q_a_layernorm.weight", {m.q_lora_rank});
+      a.q_b = loader.take(p + "self_attn.q_b_proj.weight", {heads * m.qk_head_dim(), m.q_lora_rank});
+    } else {
+      a.q = loader.take(p + "self_attn.q_proj.weight", {heads * m.qk_head_dim(), h});
+    }
+    a.kv_a = loader.take(p + "self_attn.kv_a_proj_with_mqa.weight", {m.kv_lora_rank + m.qk_rope_head_dim, h});
+    a.kv_a_norm = loader.take(p + "self_attn.kv_a_layernorm.weight", {m.kv_lora_rank});
+    a.kv_b = loader.take(p + "self_attn.kv_b_proj.weight",
+                         {heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank});
+    a.o = loader.take(p + "self_attn.o_proj.weight", {h, heads * m.v_head_dim});
+    return;
+  }
+  const int64_t hd = mc.head_dim, q_width = heads * hd, kv_width = mc.num_kv_heads * hd;
+  a.q = loader.take(p + "self_attn.q_proj.weight", {q_width, h});
+  a.k = loader.take(p + "self_attn.k_proj.weight", {kv_width, h});
+  a.v = loader.take(p + "self_attn.v_proj.weight", {kv_width, h});
+  a.o = loader.take(p + "self_attn.o_proj.weight", {h, q_width});
+  if (mc.qkv_bias) {
+    a.q_bias = loader.take(p + "self_attn.q_proj.bias", {q_width});
+    a.k_bias = loader.take(p + "self_attn.k_proj.bias", {kv_width});
+    a.v_bias = loader.take(p + "self_attn.v_proj.bias", {kv_width});
+  }
+  if (mc.o_bias) a.o_bias = loader.take(p + "self_attn.o_proj.bias", {h});
+  if (mc.qk_norm == QkNorm::kPerHead) {
+    a.q_norm = loader.take(p + "self_attn.q_norm.weight", {hd});
+    a.k_norm = loader.take(p + "self_attn.k_norm.weight", {hd});
+  } else if (mc.qk_norm == QkNorm::kFull) {
+    a.q_norm = loader.take(p + "self_attn.q_norm.weight", {q_width});
+    a.k_norm = loader.take(p + "self_attn.k_norm.weight", {kv_width});
+  }
+}
+
+void load_moe(const ModelConfig& mc, WeightLoader& loader, const std::string& p,
+              const ExpertSelection& sel, MoeWeights& w) {
+  const MoeConfig& c = mc.moe;
+  const MoeNames& n = c.names;
+  const int64_t h = mc.hidden_size, inter = c.intermediate_size;
+  const std::string block = p + n.block + ".";
+  w.router = loader.take(block + n.router + ".weight", {c.num_experts, h});
+  // Cast once here to the router's compute dtype (f32), whatever the checkpoint stores.
+  if (c.router.correction_bias)
+    w.router_bias = loader.take(block + n.router + ".e_score_correction_bias", {c.num_experts});
+  int64_t held = 0;
+  for (int64_t e = 0; e < c.num_experts; ++e) held += sel.holds(e);
+  ExpertWeights& x = w.experts;
+  x.num_local = held;
+  x.hidden = h;
+  x.inter = inter;
+  x.gate_up = loader.allocate({held, 2 * inter, h});
+  x.down = loader.allocate({held, h, inter});
+  int64_t local = 0;
+  for (int64_t e = 0; e < c.num_experts; ++e) {
+    if (!sel.holds(e)) continue;
+    float* gu = x.gate_up.defined() ? x.gate_up.data<float>() + local * 2 * inter * h : nullptr;
+    float* dn = x.down.defined() ? x.down.data<float>() + local * h * inter : nullptr;
+    take_ffn(loader, fmt::format("{}experts.{}.", block, e), n, gu, dn, h, inter);
+    ++local;
+  }
+  if (c.shared_intermediate > 0) {
+    w.shared = load_ffn(loader, block + n.shared + ".", h, c.shared_intermediate);
+    if (c.shared_gate) w.shared_gate = loader.take(block + "shared_expert_gate.weight", {1, h});
+  }
 }
 
 }  // namespace
 
-ModelWeights load_weights(const ModelConfig& mc, WeightLoader& loader, Arena& arena) {
+ModelWeights load_weights(const ModelConfig& mc, WeightLoader& loader, const ExpertSelection& sel) {
   ModelWeights w;
-  const int64_t h = mc.hidden_size, hd = mc.head_dim;
+  const int64_t h = mc.hidden_size;
   w.embed = loader.take("model.embed_tokens.weight", {mc.vocab_size, h});
   for (int64_t l = 0; l < mc.num_layers; ++l) {
     const std::string p = fmt::format("model.layers.{}.", l);
     LayerWeights lw;
     lw.input_norm = loader.take(p + "input_layernorm.weight", {h});
     lw.post_attention_norm = loader.take(p + "post_attention_layernorm.weight", {h});
-    AttentionWeights& a = lw.attn;
-    a.q = loader.take(p + "self_attn.q_proj.weight", {mc.num_heads * hd, h});
-    a.k = loader.take(p + "self_attn.k_proj.weight", {mc.num_kv_heads * hd, h});
-    a.v = loader.take(p + "self_attn.v_proj.weight", {mc.num_kv_heads * hd, h});
-    a.o = loader.take(p + "self_attn.o_proj.weight", {h, mc.num_heads * hd});
-    if (mc.attention_bias) {
-      a.q_bias = loader.take(p + "self_attn.q_proj.bias", {mc.num_heads * hd});
-      a.k_bias = loader.take(p + "self_attn.k_proj.bias", {mc.num_kv_heads * hd});
-      a.v_bias = loader.take(p + "self_attn.v_proj.bias", {mc.num_kv_heads * hd});
-    }
-    if (mc.qk_norm) {
-      a.q_norm = loader.take(p + "self_attn.q_norm.weight", {hd});
-      a.k_norm = loader.take(p + "self_attn.k_norm.weight", {hd});
-    }
+    load_attention(mc, loader, p, lw.attn);
     lw.sparse = mc.moe_layers[static_cast<size_t>(l)];
-    if (lw.sparse) {
-      const MoeNames& n = mc.moe.names;
-      const std::string block = p + n.block + ".";
-      lw.moe.router = loader.take(block + n.router + ".weight", {mc.moe.num_experts, h});
-      for (int64_t e = 0; e < mc.moe.num_experts; ++e)
-        lw.moe.experts.push_back(load_ffn(loader, arena, fmt::format("{}experts.{}.", block, e),
-                                          n.gate, n.up, n.down, h, mc.moe.intermediate_size));
-    } else {
-      lw.mlp = load_ffn(loader, arena, p + "mlp.", "gate_proj", "up_proj", "down_proj", h,
-                        mc.intermediate_size);
-    }
+    if (lw.sparse)
+      load_moe(mc, loader, p, sel, lw.moe);
+    else
+      lw.mlp = load_ffn(loader, p + "mlp.", h, mc.intermediate_size);
     w.layers.push_back(std::move(lw));
   }
   w.final_norm = loader.take("model.norm.weight", {h});

@@ -1,30 +1,40 @@
 // The weights of a decoder in the engine's compute layout: f32, row-major [out, in] as in
-// nn.Linear, with each expert's gate and up projections packed into one [2 * inter, hidden]
-// matrix at load time, so a forward performs no conversion and no repacking.
+// nn.Linear. At load time each expert's gate and up projections are packed into one
+// [2 * inter, hidden] matrix and a layer's experts are laid back to back, so a forward performs
+// no conversion and no repacking, and the packed experts are the only copy (nothing extra is
+// resident).
 #pragma once
 
 #include <vector>
 
 #include "io/checkpoint.h"
 #include "model/config.h"
+#include "moe/experts.h"
 
 namespace moe {
 
 struct AttentionWeights {
-  Tensor q, k, v, o;                 // [heads * head_dim, hidden] ... o: [hidden, heads * head_dim]
-  Tensor q_bias, k_bias, v_bias;     // present when attention_bias
-  Tensor q_norm, k_norm;             // [head_dim], present when qk_norm
+  // GQA
+  Tensor q, k, v, o;              // q: [heads * head_dim, hidden] ... o: [hidden, heads * v_dim]
+  Tensor q_bias, k_bias, v_bias, o_bias;
+  Tensor q_norm, k_norm;          // [head_dim] (per head) or the projection width (full)
+  // MLA
+  Tensor q_a, q_a_norm, q_b;      // when q_lora_rank > 0 (else `q` is [heads * qk_head_dim, hidden])
+  Tensor kv_a, kv_a_norm, kv_b;   // kv_a: [kv_lora + rope, hidden]; kv_b: [heads * (nope + v), kv_lora]
 };
 
 struct FfnWeights {
   Tensor gate_up;  // [2 * inter, hidden]: rows [0, inter) gate, [inter, 2 * inter) up
   Tensor down;     // [hidden, inter]
-  bool defined() const { return gate_up.raw() != nullptr; }
+  bool defined() const { return gate_up.defined(); }
 };
 
 struct MoeWeights {
-  Tensor router;                    // [experts, hidden]
-  std::vector<FfnWeights> experts;  // one per global expert; undefined where not loaded
+  Tensor router;          // [experts, hidden]
+  Tensor router_bias;     // [experts]: e_score_correction_bias (f32, for the choice only)
+  ExpertWeights experts;  // this rank's routed experts, packed
+  FfnWeights shared;      // defined when the architecture has a shared expert
+  Tensor shared_gate;     // [1, hidden] (Qwen2-MoE)
 };
 
 struct LayerWeights {
@@ -42,7 +52,19 @@ struct ModelWeights {
   std::vector<LayerWeights> layers;
 };
 
-// Reads every tensor the config implies, by Hugging Face name, through `loader`.
-ModelWeights load_weights(const ModelConfig& mc, WeightLoader& loader, Arena& arena);
+// Which routed experts this rank loads: global_to_local[e] >= 0 for the held ones, in
+// ascending global order. Empty: all experts.
+struct ExpertSelection {
+  std::vector<int32_t> global_to_local;
+  bool holds(int64_t e) const {
+    return global_to_local.empty() || global_to_local[static_cast<size_t>(e)] >= 0;
+  }
+};
+
+// Reads every tensor the config implies, by Hugging Face name, through `loader`. With a
+// recording loader (WeightLoader::recording) nothing is read or allocated and the loader ends up
+// holding the list of tensor names and shapes.
+ModelWeights load_weights(const ModelConfig& mc, WeightLoader& loader,
+                          const ExpertSelection& experts = {});
 
 }  // namespace moe

@@ -9,7 +9,7 @@ KvCache::KvCache(int64_t layers, int64_t capacity, int64_t k_width, int64_t v_wi
   MOE_CHECK(capacity > 0, kInvalidArgument, "KV cache capacity must be positive, got {}", capacity);
   for (int64_t l = 0; l < layers; ++l) {
     k_.push_back(Tensor::zeros({capacity, k_width}));
-    v_.push_back(Tensor::zeros({capacity, v_width}));
+    v_.push_back(Tensor::zeros({capacity, v_width}));  // MLA keeps no values: width 0
   }
 }
 

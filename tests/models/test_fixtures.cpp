@@ -20,7 +20,7 @@ namespace {
 constexpr float kLogitBound = 1e-4f;
 
 std::string fixture_dir(const std::string& name) {
-  if (name == "tiny-qwen3-moe") return std::string(MOE_SOURCE_DIR) + "/models/" + name;
+  if (name == "tiny_qwen3_moe") return std::string(MOE_SOURCE_DIR) + "/models/tiny-qwen3-moe";
   return std::string(MOE_SOURCE_DIR) + "/tests/fixtures/" + name;
 }
 
@@ -107,7 +107,11 @@ INSTANTIATE_TEST_SUITE_P(Transformers, FixtureTest,
                          ::testing::Values("qwen3_dense_f32", "qwen3_moe_f32",
                                            "qwen3_moe_nonorm_f32", "qwen3_moe_bf16",
                                            "mixtral_f32", "mixtral_f16_sharded",
-                                           "tiny-qwen3-moe"));
+                                           "tiny_qwen3_moe", "deepseek_v2_f32",
+                                           "deepseek_v2_grouped_f32", "deepseek_v3_f32",
+                                           "deepseek_v3_g8_f32", "deepseek_v3_bf16",
+                                           "qwen2_moe_f32", "olmoe_f32"),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace moe

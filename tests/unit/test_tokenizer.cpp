@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -50,7 +51,8 @@ const json* load_refs(const std::string& name) {
   const std::string path = source_path("tests/data/tokenizer_ids_" + name + ".json");
   std::ifstream in(path);
   if (!in) {
-    ADD_FAILURE() << path << " is missing: run scripts/make_tokenizer_refs.py (needs HF tokenizers)";
+    ADD_FAILURE() << path
+                  << " is missing: run scripts/make_tokenizer_refs.py (needs HF tokenizers)";
     return nullptr;
   }
   return &cache.emplace(name, json::parse(in)).first->second;
@@ -162,7 +164,9 @@ TEST(TokenizerReference, KnownIdsAndSpecialTokens) {
   EXPECT_EQ(qwen->decode(ids, /*skip_special=*/true), "ab");
   EXPECT_EQ(qwen->decode(ids), "a<|im_end|>b");
   EXPECT_EQ(ds->vocab_size(), 128815);
-  EXPECT_EQ(ds->token_to_id("<\xEF\xBD\x9C" "begin\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>"), 0);
+  EXPECT_EQ(ds->token_to_id("<\xEF\xBD\x9C"
+                            "begin\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>"),
+            0);
   EXPECT_EQ(ds->decode({0}, true), "");
 }
 
@@ -188,8 +192,28 @@ TEST(TokenizerReference, LongInputIsFastAndRoundTrips) {
   const auto t0 = std::chrono::steady_clock::now();
   const auto ids = tok->encode(text);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("[ info     ] encoded %zu bytes into %zu ids in %.3f s\n", text.size(), ids.size(), s);
+  std::printf("[ info     ] encoded %zu bytes into %zu ids in %.3f s\n", text.size(), ids.size(),
+              s);
   EXPECT_EQ(tok->decode(ids), text);
+}
+
+TEST(TokenizerReference, ConcurrentEncodesAgree) {
+  // One tokenizer shared by several threads (its word cache is the only mutable state).
+  const moe::Tokenizer* tok = load_tokenizer("qwen3");
+  const json* refs = load_refs("qwen3");
+  ASSERT_NE(tok, nullptr);
+  ASSERT_NE(refs, nullptr);
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(4, 0);
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < 20; ++round)
+        for (const json& e : refs->at("entries"))
+          if (tok->encode(e.at("text").get<std::string>()) != as_ids(e.at("ids"))) ++mismatches[t];
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(mismatches, std::vector<int>(4, 0));
 }
 
 TEST(TokenizerStream, EmojiSplitAcrossTokensMatchesDecode) {
@@ -245,7 +269,9 @@ TEST(TokenizerStream, HoldsBackThenFlushesIncompleteBytes) {
   const auto a = tok->token_to_id("a");
   ASSERT_TRUE(a.has_value());
   EXPECT_EQ(stream.push(ids[0]), "");
-  EXPECT_EQ(stream.push(*a), "\xEF\xBF\xBD" "a");
+  EXPECT_EQ(stream.push(*a),
+            "\xEF\xBF\xBD"
+            "a");
   // skip_special drops special tokens.
   moe::StreamDecoder skipping(*tok, /*skip_special=*/true);
   EXPECT_EQ(skipping.push(151645), "");
@@ -259,10 +285,12 @@ TEST(TokenizerErrors, MissingFileIsIoError) {
             moe::ErrorKind::kIo);
   EXPECT_NE(msg.find("/nonexistent/tokenizer.json"), std::string::npos) << msg;
   EXPECT_EQ(msg.find('\n'), std::string::npos);
+  EXPECT_EQ(error_kind_of([] { moe::Tokenizer::from_file(MOE_SOURCE_DIR); }), moe::ErrorKind::kIo);
 }
 
 TEST(TokenizerErrors, MalformedJsonIsFormatError) {
-  const std::string path = temp_file("malformed.json", "{\"model\": {\"type\": \"BPE\",\n \"vocab\": [");
+  const std::string path =
+      temp_file("malformed.json", "{\"model\": {\"type\": \"BPE\",\n \"vocab\": [");
   std::string msg;
   EXPECT_EQ(error_kind_of([&] { moe::Tokenizer::from_file(path); }, &msg), moe::ErrorKind::kFormat);
   EXPECT_NE(msg.find("malformed.json"), std::string::npos) << msg;
@@ -324,7 +352,11 @@ TEST(TokenizerErrors, DecodeOutOfVocabularyIsInvalidArgument) {
   const moe::Tokenizer* tok = load_tokenizer("qwen3");
   ASSERT_NE(tok, nullptr);
   std::string msg;
-  EXPECT_EQ(error_kind_of([&] { tok->decode({9707, tok->vocab_size()}); }, &msg),
+  EXPECT_EQ(error_kind_of(
+                [&] {
+                  tok->decode({9707, tok->vocab_size()});
+                },
+                &msg),
             moe::ErrorKind::kInvalidArgument);
   EXPECT_NE(msg.find(std::to_string(tok->vocab_size())), std::string::npos) << msg;
   EXPECT_EQ(error_kind_of([&] { tok->decode({-3}); }, &msg), moe::ErrorKind::kInvalidArgument);
@@ -439,18 +471,18 @@ TEST(TokenizerBpe, AddedTokensLongestMatchAndStrip) {
 TEST(TokenizerUnicode, NfcMatchesUnicodeData) {
   using moe::unicode::nfc;
   // Expected values from Python's unicodedata.normalize('NFC', ...).
-  EXPECT_EQ(nfc("e\xCC\x81"), "\xC3\xA9");                          // e + U+0301 -> é
-  EXPECT_EQ(nfc("a\xCC\x81\xCC\x96"), "\xC3\xA1\xCC\x96");          // reorder, then compose
-  EXPECT_EQ(nfc("\xE1\x84\x80\xE1\x85\xA1"), "\xEA\xB0\x80");       // Hangul L+V
+  EXPECT_EQ(nfc("e\xCC\x81"), "\xC3\xA9");                                 // e + U+0301 -> é
+  EXPECT_EQ(nfc("a\xCC\x81\xCC\x96"), "\xC3\xA1\xCC\x96");                 // reorder, then compose
+  EXPECT_EQ(nfc("\xE1\x84\x80\xE1\x85\xA1"), "\xEA\xB0\x80");              // Hangul L+V
   EXPECT_EQ(nfc("\xE1\x84\x80\xE1\x85\xA1\xE1\x86\xA8"), "\xEA\xB0\x81");  // L+V+T
-  EXPECT_EQ(nfc("\xE2\x84\xAB"), "\xC3\x85");                       // Angstrom sign -> Å
-  EXPECT_EQ(nfc("\xE0\xA5\x98"), "\xE0\xA4\x95\xE0\xA4\xBC");       // exclusion stays decomposed
-  EXPECT_EQ(nfc("\xCD\x84"), "\xCC\x88\xCC\x81");                   // non-starter decomposition
-  EXPECT_EQ(nfc("e\xCC\xA3\xCC\x82"), "\xE1\xBB\x87");              // ệ
-  EXPECT_EQ(nfc("\xE1\xB8\x8B\xCC\xA3"), "\xE1\xB8\x8D\xCC\x87");   // ḋ + dot below -> ḍ + dot above
+  EXPECT_EQ(nfc("\xE2\x84\xAB"), "\xC3\x85");                              // Angstrom sign -> Å
+  EXPECT_EQ(nfc("\xE0\xA5\x98"), "\xE0\xA4\x95\xE0\xA4\xBC");      // exclusion stays decomposed
+  EXPECT_EQ(nfc("\xCD\x84"), "\xCC\x88\xCC\x81");                  // non-starter decomposition
+  EXPECT_EQ(nfc("e\xCC\xA3\xCC\x82"), "\xE1\xBB\x87");             // ệ
+  EXPECT_EQ(nfc("\xE1\xB8\x8B\xCC\xA3"), "\xE1\xB8\x8D\xCC\x87");  // ḋ + dot below -> ḍ + dot above
   EXPECT_EQ(nfc("plain ascii"), "plain ascii");
   EXPECT_EQ(nfc("\xCC\x81 leading mark"), "\xCC\x81 leading mark");
-  EXPECT_EQ(nfc("bad \xFF e\xCC\x81"), "bad \xFF \xC3\xA9");         // invalid bytes pass through
+  EXPECT_EQ(nfc("bad \xFF e\xCC\x81"), "bad \xFF \xC3\xA9");  // invalid bytes pass through
 }
 
 TEST(TokenizerUnicode, LossyMatchesPython) {

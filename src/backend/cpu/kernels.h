@@ -9,6 +9,11 @@
 
 namespace moe::cpu {
 
+// One pass over expert-contiguous row slices: rows [offsets[e], offsets[e + 1]) of x are
+// multiplied by w[e] ([n_out, k] row-major, experts back to back) into the same rows of y.
+void grouped_linear(ThreadPool& pool, const float* x, const float* w, const int32_t* offsets,
+                    int64_t experts, int64_t k, int64_t n_out, float* y);
+
 // y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); w is row-major [n_out, k] as in nn.Linear.
 void linear(ThreadPool& pool, const float* x, const float* w, const float* bias, float* y,
             int64_t m, int64_t k, int64_t n_out);

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <vector>
 
 #include "backend/cpu/kernels.h"
 
@@ -41,7 +42,42 @@ inline float dot1(const float* w, const float* x, int64_t k) {
   return s;
 }
 
+// Rows [m0, m1) of x against weight rows [n0, n1).
+void linear_block(const float* x, const float* w, const float* bias, float* y, int64_t m0,
+                  int64_t m1, int64_t k, int64_t n0, int64_t n1, int64_t y_stride) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * k;
+    float b = bias ? bias[n] : 0.0f;
+    int64_t r = m0;
+    for (; r + 4 <= m1; r += 4) {
+      float out[4];
+      dot4(wr, x + r * k, x + (r + 1) * k, x + (r + 2) * k, x + (r + 3) * k, k, out);
+      for (int j = 0; j < 4; ++j) y[(r + j) * y_stride + n] = out[j] + b;
+    }
+    for (; r < m1; ++r) y[r * y_stride + n] = dot1(wr, x + r * k, k) + b;
+  }
+}
+
 }  // namespace
+
+void grouped_linear(ThreadPool& pool, const float* x, const float* w, const int32_t* offsets,
+                    int64_t experts, int64_t k, int64_t n_out, float* y) {
+  // Work items: (expert, block of output features); only experts with rows make items.
+  const int64_t block = 32;
+  const int64_t blocks_per_expert = (n_out + block - 1) / block;
+  std::vector<int32_t> busy;
+  for (int64_t e = 0; e < experts; ++e)
+    if (offsets[e + 1] > offsets[e]) busy.push_back(static_cast<int32_t>(e));
+  const int64_t items = static_cast<int64_t>(busy.size()) * blocks_per_expert;
+  pool.parallel_for(items, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t e = busy[static_cast<size_t>(i / blocks_per_expert)];
+      int64_t b = i % blocks_per_expert;
+      linear_block(x, w + e * n_out * k, nullptr, y, offsets[e], offsets[e + 1], k, b * block,
+                   std::min(n_out, (b + 1) * block), n_out);
+    }
+  });
+}
 
 void linear(ThreadPool& pool, const float* x, const float* w, const float* bias, float* y,
             int64_t m, int64_t k, int64_t n_out) {

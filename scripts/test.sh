@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs what is needed, builds and runs every CPU test: the release build (CUDA code compiled
+# when the toolkit is present; GPU tests skip visibly without a GPU), the same tests under
+# AddressSanitizer + UndefinedBehaviorSanitizer, and short runs of the libFuzzer targets.
+# MOE_SKIP_SANITIZE=1 / MOE_SKIP_FUZZ=1 leave those stages out.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+bash scripts/install_deps.sh
+jobs=$(nproc)
+
+echo "== release build and tests"
+cmake --preset release
+cmake --build --preset release -j "$jobs"
+ctest --preset release -j "$jobs"
+
+if [ "${MOE_SKIP_SANITIZE:-0}" != 1 ]; then
+  echo "== ASan + UBSan build and tests"
+  cmake --preset sanitize
+  cmake --build --preset sanitize -j "$jobs"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
+    ctest --preset sanitize -j "$jobs"
+fi
+
+if [ "${MOE_SKIP_FUZZ:-0}" != 1 ]; then
+  echo "== fuzz targets (${MOE_FUZZ_SECONDS:-20} s each)"
+  cmake --preset fuzz
+  cmake --build --preset fuzz -j "$jobs"
+  for target in safetensors tokenizer; do
+    corpus=$(mktemp -d)
+    cp fuzz/corpus/$target/* "$corpus"/
+    build/fuzz/fuzz/fuzz-$target "$corpus" -max_total_time="${MOE_FUZZ_SECONDS:-20}" \
+      -rss_limit_mb=4096 -print_final_stats=0 2>&1 | tail -n 2
+    rm -rf "$corpus"
+  done
+fi
+echo "all test stages passed"

@@ -1,0 +1,10 @@
+// The CPU-only build: no CUDA runtime is linked, and the engine says so when asked for a GPU.
+#include "backend/device_info.h"
+
+namespace moe {
+
+bool cuda_built() { return false; }
+std::vector<GpuInfo> cuda_devices() { return {}; }
+std::string cuda_status() { return "built without CUDA (configure with -DMOE_CUDA=ON)"; }
+
+}  // namespace moe

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Bad input through moe-cli: each case must exit non-zero (not by a signal) and print exactly one
+# line, starting with "error:", that names the problem.
+set -u
+cli=${MOE_CLI:?path to moe-cli}
+src=${MOE_SOURCE_DIR:?repository root}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fixture="$src/tests/fixtures/qwen3_moe_f32"
+failures=0
+passed=0
+
+# expect NAME PATTERN -- command...: the command must fail with one "error:" line matching PATTERN.
+expect() {
+  local name=$1 pattern=$2
+  shift 3
+  local err rc
+  err=$("$@" 2>&1 >/dev/null)
+  rc=$?
+  local lines
+  lines=$(printf '%s' "$err" | grep -c '')
+  if [ "$rc" -eq 0 ] || [ "$rc" -ge 128 ]; then
+    echo "FAIL $name: exit code $rc (want 1..127)"; failures=$((failures + 1)); return
+  fi
+  if [ "$lines" -ne 1 ] || [[ "$err" != error:* ]] || ! grep -qE -- "$pattern" <<<"$err"; then
+    echo "FAIL $name: stderr was: $err"; failures=$((failures + 1)); return
+  fi
+  echo "ok   $name: $err"
+  passed=$((passed + 1))
+}
+
+# A model directory that is a copy of the fixture, to be damaged by each case.
+fresh() { rm -rf "$work/m"; cp -r "$fixture" "$work/m"; }
+# Writes a safetensors file made of the given header text and N zero bytes of data.
+write_st() {
+  local file=$1 header=$2 data_bytes=$3 len=${#2}
+  printf "$(printf '\\x%02x\\x%02x\\x%02x\\x%02x\\x00\\x00\\x00\\x00' $((len & 255)) $(((len >> 8) & 255)) $(((len >> 16) & 255)) $(((len >> 24) & 255)))" >"$file"
+  printf '%s' "$header" >>"$file"
+  head -c "$data_bytes" /dev/zero >>"$file"
+}
+
+expect missing_dir "does not exist" -- "$cli" logits -m "$work/nope" --ids 1
+fresh; rm "$work/m/config.json"
+expect missing_config "config.json" -- "$cli" logits -m "$work/m" --ids 1
+fresh; rm "$work/m/model.safetensors"
+expect missing_weights "model.safetensors" -- "$cli" logits -m "$work/m" --ids 1
+fresh; head -c 3 "$fixture/model.safetensors" >"$work/m/model.safetensors"
+expect truncated_header "truncated" -- "$cli" logits -m "$work/m" --ids 1
+fresh; head -c 100000 "$fixture/model.safetensors" >"$work/m/model.safetensors"
+expect truncated_data "past the end" -- "$cli" logits -m "$work/m" --ids 1
+fresh; printf '\xff\xff\xff\x00\x00\x00\x00\x00{}' >"$work/m/model.safetensors"
+expect header_larger_than_file "larger than the file" -- "$cli" logits -m "$work/m" --ids 1
+fresh; write_st "$work/m/model.safetensors" '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}' 12
+expect overlapping_offsets "overlap" -- "$cli" logits -m "$work/m" --ids 1
+fresh; write_st "$work/m/model.safetensors" '{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}' 8
+expect offsets_out_of_range "past the end" -- "$cli" logits -m "$work/m" --ids 1
+fresh; write_st "$work/m/model.safetensors" '{"a":{"dtype":"Q4_K","shape":[2],"data_offsets":[0,8]}}' 8
+expect unknown_dtype "Q4_K" -- "$cli" logits -m "$work/m" --ids 1
+fresh; sed -i 's/"moe_intermediate_size": 32/"moe_intermediate_size": 48/' "$work/m/config.json"
+expect wrong_shape "gate_proj.weight' has shape" -- "$cli" logits -m "$work/m" --ids 1
+fresh; sed -i 's/Qwen3MoeForCausalLM/BertForMaskedLM/' "$work/m/config.json"
+expect unknown_architecture "unknown architecture 'BertForMaskedLM'" -- "$cli" logits -m "$work/m" --ids 1
+fresh; sed -i 's/^{/{ broken/' "$work/m/config.json"
+expect malformed_config "not valid JSON" -- "$cli" info -m "$work/m"
+expect token_id_out_of_vocab "token id 384 is outside the vocabulary" -- "$cli" logits -m "$fixture" --ids 3,384
+expect negative_token_id "token id -2" -- "$cli" logits -m "$fixture" --ids -2
+expect not_a_token_id "'x' is not a token id" -- "$cli" logits -m "$fixture" --ids 3,x
+expect empty_ids "empty prompt" -- "$cli" logits -m "$fixture" --ids ""
+expect empty_prompt "empty prompt" -- "$cli" generate -m "$src/models/tiny-qwen3-moe" -p ""
+expect no_tokenizer "no tokenizer" -- "$cli" generate -m "$fixture" -p "hi"
+expect bad_temperature "temperature" -- "$cli" generate -m "$src/models/tiny-qwen3-moe" -p "hi" --temp -1
+expect bad_top_p "top-p" -- "$cli" generate -m "$src/models/tiny-qwen3-moe" -p "hi" --top-p 1.5
+expect detokenize_out_of_vocab "999999" -- "$cli" detokenize -m "$src/models/tiny-qwen3-moe" --ids 999999
+expect context_too_long "exceed the context" -- "$cli" generate -m "$src/models/tiny-qwen3-moe" -p "hi there" -n 10 --ctx 4
+
+echo "$passed passed, $failures failed"
+[ "$failures" -eq 0 ]

@@ -1,0 +1,55 @@
+// Helpers for tests that build small model directories and safetensors files on the fly.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "moe/errors.h"
+
+namespace moe::test {
+
+// A fresh directory under the system temp dir, removed when the object dies.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::filesystem::path& path() const { return path_; }
+  std::string str() const { return path_.string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+void write_file(const std::filesystem::path& path, const std::string& bytes);
+std::string read_file(const std::filesystem::path& path);
+
+// The raw bytes of a safetensors file: header length, header text, data.
+std::string safetensors_bytes(const std::string& header, const std::string& data);
+
+// A safetensors file of f32 tensors with consecutive offsets.
+struct F32Tensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> values;  // empty: filled with small deterministic values
+};
+std::string make_f32_safetensors(const std::vector<F32Tensor>& tensors);
+
+// Copies a fixture directory (tests/fixtures/<name>) to `dest`.
+void copy_fixture(const std::string& name, const std::filesystem::path& dest);
+
+// Runs `fn` and returns the moe::Error it throws; fails the test when it throws nothing.
+template <typename Fn>
+Error expect_error(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e;
+  }
+  throw std::runtime_error("expected a moe::Error, but nothing was thrown");
+}
+
+}  // namespace moe::test
