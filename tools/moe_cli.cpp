@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <thread>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -11,6 +12,7 @@
 
 #include "backend/device_info.h"
 #include "cli_common.h"
+#include "dist/inprocess_communicator.h"
 #include "io/chat_template.h"
 #include "io/checkpoint.h"
 #include "io/tokenizer.h"
@@ -29,6 +31,10 @@ struct Common {
   int threads = 0;
   bool random_weights = false;
   uint64_t weights_seed = 0;
+  int ep = 1;
+  std::string ep_backend = "local_allreduce";
+  std::string exec = "grouped";
+  bool expert_stats = false;
 
   LoadOptions load_options() const {
     LoadOptions lo;
@@ -36,9 +42,64 @@ struct Common {
     lo.progress = true;
     lo.random_weights = random_weights;
     lo.seed = weights_seed;
+    lo.exec = parse_exec_mode(exec);
+    lo.ep_backend = dist::parse_ep_backend(ep_backend);
     return lo;
   }
+
+  // Checks the parallel settings before anything is read, then runs `job` once per rank (ranks
+  // are threads, each with its own model holding its block of experts). `job` gets the model
+  // and whether it is rank 0, which alone prints.
+  void run(const std::function<void(Model&, bool)>& job) const {
+    dist::DistConfig dc;
+    dc.ep = ep;
+    dc.ep_backend = ep_backend;
+    dist::validate_dist_config(dc);
+    LoadOptions base = load_options();
+    if (ep > 1) {
+      ModelConfig mc = load_model_config(model_dir);  // ep vs. experts, before any weight
+      dist::validate_ep_for_model(dc, mc.moe.num_experts);
+    }
+    auto finish = [&](Model& model, bool first) {
+      if (first && expert_stats) print_expert_stats(model);
+    };
+    if (ep == 1) {
+      auto model = Model::load(model_dir, base);
+      job(*model, true);
+      finish(*model, true);
+      return;
+    }
+    base.threads = std::max(1, (threads > 0 ? threads : static_cast<int>(std::thread::hardware_concurrency())) / ep);
+    dist::run_ranks(ep, [&](int rank, dist::Communicator& comm) {
+      LoadOptions lo = base;
+      lo.comm = &comm;
+      lo.progress = base.progress && rank == 0;
+      auto model = Model::load(model_dir, lo);
+      job(*model, rank == 0);
+      finish(*model, rank == 0);
+    });
+  }
+
+  static void print_expert_stats(Model& model) {
+    const auto& stats = model.expert_tokens();
+    for (size_t l = 0; l < stats.size(); ++l) {
+      if (stats[l].empty()) continue;
+      std::string line = fmt::format("expert tokens, layer {}:", l);
+      for (int64_t n : stats[l]) line += fmt::format(" {}", n);
+      std::fprintf(stderr, "%s\n", line.c_str());
+    }
+  }
 };
+
+void add_parallel_flags(CLI::App* cmd, Common& c) {
+  cmd->add_option("--ep", c.ep, "expert-parallel ranks (threads on the CPU)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--ep-backend", c.ep_backend,
+                  "local_allreduce | allgather_reducescatter | alltoall_padded | alltoall_packed")
+      ->capture_default_str();
+  cmd->add_option("--exec", c.exec, "routed-expert execution: naive | grouped")->capture_default_str();
+  cmd->add_flag("--expert-stats", c.expert_stats, "print tokens per expert per layer on stderr");
+}
 
 void add_weight_flags(CLI::App* cmd, Common& c) {
   cmd->add_flag("--random-weights", c.random_weights,
@@ -71,63 +132,69 @@ int run_generate(const Common& c, const std::string& prompt, int n, const Sampli
   }
   std::vector<int32_t> ids = tok.encode(text, /*add_special=*/true);
   MOE_CHECK(!ids.empty(), kInvalidArgument, "the prompt encodes to no tokens");
-  auto model = Model::load(c.model_dir, c.load_options());
-  const ModelConfig& mc = model->config();
-  int64_t capacity = ctx > 0 ? ctx : std::min<int64_t>(mc.max_position_embeddings, 
-                                                       static_cast<int64_t>(ids.size()) + n);
-  MOE_CHECK(static_cast<int64_t>(ids.size()) + n <= capacity, kInvalidArgument,
-            "prompt ({} tokens) + {} new tokens exceed the context of {} tokens", ids.size(), n,
-            capacity);
-  KvCache cache = model->new_cache(capacity);
-  Sampler sampler(sp);
-  StreamDecoder stream(tok, /*skip_special=*/false);
+  c.run([&](Model& model, bool print) {
+    const ModelConfig& mc = model.config();
+    int64_t capacity = ctx > 0 ? ctx : std::min<int64_t>(mc.max_position_embeddings,
+                                                         static_cast<int64_t>(ids.size()) + n);
+    MOE_CHECK(static_cast<int64_t>(ids.size()) + n <= capacity, kInvalidArgument,
+              "prompt ({} tokens) + {} new tokens exceed the context of {} tokens", ids.size(), n,
+              capacity);
+    KvCache cache = model.new_cache(capacity);
+    Sampler sampler(sp);
+    StreamDecoder stream(tok, /*skip_special=*/false);
 
-  auto t0 = std::chrono::steady_clock::now();
-  Tensor logits = model->forward(ids, cache);
-  double prompt_s = seconds_since(t0);
-  auto t1 = std::chrono::steady_clock::now();
-  int generated = 0;
-  for (; generated < n; ++generated) {
-    int32_t next = sampler.sample(logits.data<float>(), mc.vocab_size);
-    bool stop = !ignore_eos && std::find(mc.eos_token_ids.begin(), mc.eos_token_ids.end(), next) !=
-                                   mc.eos_token_ids.end();
-    if (stop) break;
-    std::string piece = stream.push(next);
-    std::fwrite(piece.data(), 1, piece.size(), stdout);
-    std::fflush(stdout);
-    if (generated + 1 < n) {
-      std::vector<int32_t> one{next};
-      logits = model->forward(one, cache);
+    auto t0 = std::chrono::steady_clock::now();
+    Tensor logits = model.forward(ids, cache);
+    double prompt_s = seconds_since(t0);
+    auto t1 = std::chrono::steady_clock::now();
+    int generated = 0;
+    for (; generated < n; ++generated) {
+      int32_t next = sampler.sample(logits.data<float>(), mc.vocab_size);
+      bool stop = !ignore_eos && std::find(mc.eos_token_ids.begin(), mc.eos_token_ids.end(),
+                                           next) != mc.eos_token_ids.end();
+      if (stop) break;
+      std::string piece = stream.push(next);
+      if (print) {
+        std::fwrite(piece.data(), 1, piece.size(), stdout);
+        std::fflush(stdout);
+      }
+      if (generated + 1 < n) {
+        std::vector<int32_t> one{next};
+        logits = model.forward(one, cache);
+      }
     }
-  }
-  std::string rest = stream.flush();
-  std::fwrite(rest.data(), 1, rest.size(), stdout);
-  std::fputc('\n', stdout);
-  double gen_s = seconds_since(t1);
-  std::fprintf(stderr, "prompt: %zu tokens, %.1f tok/s | generation: %d tokens, %.1f tok/s\n",
-               ids.size(), ids.size() / prompt_s, generated,
-               generated > 0 ? generated / gen_s : 0.0);
+    if (!print) return;
+    std::string rest = stream.flush();
+    std::fwrite(rest.data(), 1, rest.size(), stdout);
+    std::fputc('\n', stdout);
+    double gen_s = seconds_since(t1);
+    std::fprintf(stderr, "prompt: %zu tokens, %.1f tok/s | generation: %d tokens, %.1f tok/s\n",
+                 ids.size(), ids.size() / prompt_s, generated,
+                 generated > 0 ? generated / gen_s : 0.0);
+  });
   return 0;
 }
 
 int run_logits(const Common& c, const std::string& ids_text) {
   std::vector<int32_t> ids = cli::parse_ids(ids_text);
   MOE_CHECK(!ids.empty(), kInvalidArgument, "empty prompt: --ids needs at least one token id");
-  auto model = Model::load(c.model_dir, c.load_options());
-  KvCache cache = model->new_cache(static_cast<int64_t>(ids.size()));
-  Tensor logits = model->forward(ids, cache, /*all_logits=*/true);
-  const int64_t t = logits.dim(0), v = logits.dim(1);
-  std::string out = fmt::format("{{\"shape\":[{},{}],\"logits\":[", t, v);
-  for (int64_t i = 0; i < t; ++i) {
-    out += i ? ",[" : "[";
-    for (int64_t j = 0; j < v; ++j) {
-      if (j) out += ',';
-      out += cli::format_float(logits.data<float>()[i * v + j]);
+  c.run([&](Model& model, bool print) {
+    KvCache cache = model.new_cache(static_cast<int64_t>(ids.size()));
+    Tensor logits = model.forward(ids, cache, /*all_logits=*/true);
+    if (!print) return;
+    const int64_t t = logits.dim(0), v = logits.dim(1);
+    std::string out = fmt::format("{{\"shape\":[{},{}],\"logits\":[", t, v);
+    for (int64_t i = 0; i < t; ++i) {
+      out += i ? ",[" : "[";
+      for (int64_t j = 0; j < v; ++j) {
+        if (j) out += ',';
+        out += cli::format_float(logits.data<float>()[i * v + j]);
+      }
+      out += ']';
     }
-    out += ']';
-  }
-  out += "]}\n";
-  std::fwrite(out.data(), 1, out.size(), stdout);
+    out += "]}\n";
+    std::fwrite(out.data(), 1, out.size(), stdout);
+  });
   return 0;
 }
 
@@ -211,6 +278,7 @@ int main(int argc, char** argv) {
   auto* gen = app.add_subcommand("generate", "generate text from a prompt");
   add_common(gen, common, true);
   add_weight_flags(gen, common);
+  add_parallel_flags(gen, common);
   std::string prompt;
   int n = 64;
   SamplingParams sp;
@@ -229,6 +297,7 @@ int main(int argc, char** argv) {
   auto* logits = app.add_subcommand("logits", "print the logits of every position as JSON");
   add_common(logits, common, false);
   add_weight_flags(logits, common);
+  add_parallel_flags(logits, common);
   std::string ids_text;
   logits->add_option("--ids", ids_text, "comma-separated token ids, e.g. 3,17,42")->required();
 

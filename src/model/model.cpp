@@ -54,6 +54,18 @@ std::unique_ptr<Model> Model::load(const std::string& dir, const LoadOptions& op
   ModelConfig mc = load_model_config(dir);
   std::unique_ptr<Model> model(new Model(dir, mc, opts.threads, opts.exec));
   ExpertSelection all;
+  if (opts.comm && opts.comm->size() > 1) {
+    dist::DistConfig dc;
+    dc.ep = opts.comm->size();
+    dc.ep_backend = dist::ep_backend_name(opts.ep_backend);
+    dist::validate_dist_config(dc);
+    if (mc.num_moe_layers() > 0) dist::validate_ep_for_model(dc, mc.moe.num_experts);
+    model->comm_ = opts.comm;
+    model->placement_ = std::make_unique<ExpertPlacement>(std::max<int64_t>(mc.moe.num_experts, 1),
+                                                          opts.comm->size(), opts.comm->rank());
+    model->ep_ = make_ep_backend(opts.ep_backend);
+    all.global_to_local = model->placement_->global_to_local();
+  }
   if (opts.random_weights) {
     WeightLoader loader(model->weights_arena_, opts.seed);
     model->weights_ = load_weights(mc, loader, all);
@@ -76,7 +88,10 @@ std::unique_ptr<Model> Model::load(const std::string& dir, const LoadOptions& op
     loader.finish();
     if (draw) std::fprintf(stderr, "\n");
   }
-  for (int64_t e = 0; e < mc.moe.num_experts; ++e) model->local_of_.push_back(static_cast<int32_t>(e));
+  if (model->placement_)
+    model->local_of_ = model->placement_->global_to_local();
+  else
+    for (int64_t e = 0; e < mc.moe.num_experts; ++e) model->local_of_.push_back(static_cast<int32_t>(e));
 
   const int64_t hd = mc.head_dim;  // the rotary width (qk_rope_head_dim for MLA)
   for (int64_t i = 0; i < hd / 2; ++i) {
@@ -89,6 +104,13 @@ std::unique_ptr<Model> Model::load(const std::string& dir, const LoadOptions& op
     if (mc.moe_layers[static_cast<size_t>(l)])
       model->expert_tokens_[static_cast<size_t>(l)].assign(static_cast<size_t>(mc.moe.num_experts), 0);
   return model;
+}
+
+size_t Model::expert_bytes() const {
+  size_t total = 0;
+  for (const auto& l : weights_.layers)
+    if (l.sparse) total += l.moe.experts.bytes();
+  return total;
 }
 
 KvCache Model::new_cache(int64_t capacity) const {
@@ -210,8 +232,13 @@ void Model::sparse_ffn(int64_t layer, const Tensor& h, Tensor& out) {
         t, ids.data(), weights.data());
   auto& stats = expert_tokens_[static_cast<size_t>(layer)];
   for (int32_t e : ids) ++stats[static_cast<size_t>(e)];
-  run_experts(exec_, pool_, workspace_, w.experts, local_of_, h, ids.data(), weights.data(), k, out,
-              plan_);
+  if (ep_) {
+    EpContext ctx{*comm_, pool_, workspace_, *placement_, ep_stats_};
+    ep_moe_forward(*ep_, ctx, exec_, w.experts, plan_, h, ids.data(), weights.data(), k, out);
+  } else {
+    run_experts(exec_, pool_, workspace_, w.experts, local_of_, h, ids.data(), weights.data(), k,
+                out, plan_);
+  }
   if (w.shared.defined()) {
     Tensor shared = Tensor::empty(workspace_, {t, c.hidden_size});
     dense_ffn(w.shared, h, shared);

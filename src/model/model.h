@@ -10,8 +10,12 @@
 #include "core/arena.h"
 #include "core/thread_pool.h"
 #include "model/config.h"
+#include "dist/communicator.h"
+#include "dist/dist_config.h"
 #include "model/weights.h"
+#include "moe/ep/ep_backend.h"
 #include "moe/experts.h"
+#include "moe/placement.h"
 #include "runtime/kv_cache.h"
 
 namespace moe {
@@ -25,6 +29,10 @@ struct LoadOptions {
   bool random_weights = false;
   uint64_t seed = 0;
   ExecMode exec = ExecMode::kGrouped;  // how routed experts run
+  // Expert parallelism: this model is rank comm->rank() of comm->size(), holds only its block of
+  // experts, and runs its MoE layers through `ep_backend`. Null: one rank holds everything.
+  dist::Communicator* comm = nullptr;
+  dist::EpBackend ep_backend = dist::EpBackend::kLocalAllreduce;
 };
 
 class Model {
@@ -49,6 +57,9 @@ class Model {
   // dense layers).
   const std::vector<std::vector<int64_t>>& expert_tokens() const { return expert_tokens_; }
   ThreadPool& pool() { return pool_; }
+  // Expert-parallel traffic and control-plane time of the MoE layers since load or clear.
+  EpStats& ep_stats() { return ep_stats_; }
+  size_t expert_bytes() const;  // this rank's routed-expert weights (the packed copy is the only one)
 
  private:
   Model(std::string dir, ModelConfig config, int threads, ExecMode exec);
@@ -67,6 +78,10 @@ class Model {
   Arena workspace_;
   ModelWeights weights_;
   std::vector<int32_t> local_of_;  // global expert -> packed index on this rank
+  dist::Communicator* comm_ = nullptr;
+  std::unique_ptr<ExpertPlacement> placement_;
+  std::unique_ptr<EpBackend> ep_;
+  EpStats ep_stats_;
   ExpertPlan plan_;
   std::vector<float> inv_freq_;
   std::vector<std::vector<int64_t>> expert_tokens_;

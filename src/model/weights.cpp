@@ -82,7 +82,11 @@ void load_moe(const ModelConfig& mc, WeightLoader& loader, const std::string& p,
   x.down = loader.allocate({held, h, inter});
   int64_t local = 0;
   for (int64_t e = 0; e < c.num_experts; ++e) {
-    if (!sel.holds(e)) continue;
+    if (!sel.holds(e)) {  // another rank's expert: neither read nor reported as unexpected
+      for (const std::string* part : {&n.gate, &n.up, &n.down})
+        loader.ignore(fmt::format("{}experts.{}.{}.weight", block, e, *part));
+      continue;
+    }
     float* gu = x.gate_up.defined() ? x.gate_up.data<float>() + local * 2 * inter * h : nullptr;
     float* dn = x.down.defined() ? x.down.data<float>() + local * h * inter : nullptr;
     take_ffn(loader, fmt::format("{}experts.{}.", block, e), n, gu, dn, h, inter);

@@ -23,7 +23,7 @@ void run_naive(ThreadPool& pool, Arena& ws, const ExpertWeights& w,
   const int64_t t = x.dim(0), h = w.hidden, inter = w.inter;
   std::vector<std::vector<std::pair<int64_t, float>>> rows(static_cast<size_t>(w.num_local));
   for (int64_t s = 0; s < t * k; ++s) {
-    int32_t local = local_of[static_cast<size_t>(ids[s])];
+    int32_t local = ids[s] < 0 ? -1 : local_of[static_cast<size_t>(ids[s])];
     if (local >= 0) rows[static_cast<size_t>(local)].push_back({s / k, weights[s]});
   }
   std::memset(out.raw(), 0, out.nbytes());
@@ -53,7 +53,8 @@ void run_grouped(ThreadPool& pool, Arena& ws, const ExpertWeights& w,
                  const float* weights, int64_t k, Tensor& out, ExpertPlan& plan) {
   const int64_t t = x.dim(0), h = w.hidden, inter = w.inter;
   std::vector<int32_t> local_ids(static_cast<size_t>(t * k));
-  for (int64_t s = 0; s < t * k; ++s) local_ids[static_cast<size_t>(s)] = local_of[static_cast<size_t>(ids[s])];
+  for (int64_t s = 0; s < t * k; ++s)
+    local_ids[static_cast<size_t>(s)] = ids[s] < 0 ? -1 : local_of[static_cast<size_t>(ids[s])];
   make_plan(local_ids.data(), t, k, w.num_local, plan);
   const int64_t rows = plan.offsets.back();
   float* xp = static_cast<float*>(ws.allocate(static_cast<size_t>(rows * h) * 4 + 4));

@@ -30,7 +30,7 @@ struct ExpertWeights {
 
 // out[t] = sum over the slots j of token t whose expert is held here (local_of[e] >= 0) of
 // weights[t, j] * FFN_e(x[t]); rows with no local slot are zero. ids are global expert ids in
-// ascending order per token. `plan` is scratch (reused across calls).
+// ascending order per token; -1 marks an empty slot (padding). `plan` is scratch (reused across calls).
 void run_experts(ExecMode mode, ThreadPool& pool, Arena& workspace, const ExpertWeights& w,
                  const std::vector<int32_t>& local_of, const Tensor& x, const int32_t* ids,
                  const float* weights, int64_t top_k, Tensor& out, ExpertPlan& plan);
