@@ -149,7 +149,9 @@ int run_generate(const Common& c, const std::string& prompt, int n, const Sampli
     auto t1 = std::chrono::steady_clock::now();
     int generated = 0;
     for (; generated < n; ++generated) {
-      int32_t next = sampler.sample(logits.data<float>(), mc.vocab_size);
+      // Models pad their vocabulary past the tokenizer's ids (Qwen3: 151936 vs 151669); ids
+      // with no token are never sampled.
+      int32_t next = sampler.sample(logits.data<float>(), std::min<int64_t>(mc.vocab_size, tok.vocab_size()));
       bool stop = !ignore_eos && std::find(mc.eos_token_ids.begin(), mc.eos_token_ids.end(),
                                            next) != mc.eos_token_ids.end();
       if (stop) break;

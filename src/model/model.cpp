@@ -119,11 +119,11 @@ KvCache Model::new_cache(int64_t capacity) const {
 }
 
 void Model::attention(int64_t layer, const Tensor& h, const std::vector<int32_t>& positions,
-                      KvCache& cache, Tensor& out) {
+                      const std::vector<Segment>& segments, Tensor& out) {
   const ModelConfig& c = config_;
-  if (c.attention == AttentionKind::kMla) return latent_attention(layer, h, positions, cache, out);
+  if (c.attention == AttentionKind::kMla) return latent_attention(layer, h, positions, segments, out);
   const AttentionWeights& w = weights_.layers[static_cast<size_t>(layer)].attn;
-  const int64_t t = h.dim(0), hd = c.head_dim, start = cache.length();
+  const int64_t t = h.dim(0), hd = c.head_dim;
   Tensor q = Tensor::empty(workspace_, {t, c.num_heads * hd});
   Tensor k = Tensor::empty(workspace_, {t, c.num_kv_heads * hd});
   Tensor v = Tensor::empty(workspace_, {t, c.num_kv_heads * hd});
@@ -143,12 +143,19 @@ void Model::attention(int64_t layer, const Tensor& h, const std::vector<int32_t>
   rope(q.data<float>(), t, c.num_heads, hd, hd, positions.data(), inv_freq_.data());
   rope(k.data<float>(), t, c.num_kv_heads, hd, hd, positions.data(), inv_freq_.data());
   const int64_t width = c.num_kv_heads * hd;
-  std::memcpy(cache.k(layer) + start * width, k.data<float>(), k.nbytes());
-  std::memcpy(cache.v(layer) + start * width, v.data<float>(), v.nbytes());
   Tensor attn = Tensor::empty(workspace_, {t, c.num_heads * hd});
-  cpu::attention(pool_, q.data<float>(), cache.k(layer), cache.v(layer), attn.data<float>(), t,
-                 start + t, c.num_heads, c.num_kv_heads, hd, hd, width, width,
-                 1.0f / std::sqrt(static_cast<float>(hd)));
+  for (const Segment& seg : segments) {
+    const int64_t n = seg.end - seg.begin;
+    KvCache& cache = *seg.cache;
+    std::memcpy(cache.k(layer) + seg.start * width, k.data<float>() + seg.begin * width,
+                static_cast<size_t>(n * width) * 4);
+    std::memcpy(cache.v(layer) + seg.start * width, v.data<float>() + seg.begin * width,
+                static_cast<size_t>(n * width) * 4);
+    cpu::attention(pool_, q.data<float>() + seg.begin * c.num_heads * hd, cache.k(layer),
+                   cache.v(layer), attn.data<float>() + seg.begin * c.num_heads * hd, n,
+                   seg.start + n, c.num_heads, c.num_kv_heads, hd, hd, width, width,
+                   1.0f / std::sqrt(static_cast<float>(hd)));
+  }
   ops::linear(pool_, attn, w.o, c.o_bias ? &w.o_bias : nullptr, out);
 }
 
@@ -156,13 +163,13 @@ void Model::attention(int64_t layer, const Tensor& h, const std::vector<int32_t>
 // shared key part]; keys and values of every head are expanded from the latents of the whole
 // context at each call (simple, and exact; the absorbed form is a GPU-path optimisation).
 void Model::latent_attention(int64_t layer, const Tensor& h, const std::vector<int32_t>& positions,
-                             KvCache& cache, Tensor& out) {
+                             const std::vector<Segment>& segments, Tensor& out) {
   const ModelConfig& c = config_;
   const MlaConfig& m = c.mla;
   const AttentionWeights& w = weights_.layers[static_cast<size_t>(layer)].attn;
-  const int64_t t = h.dim(0), heads = c.num_heads, qk = m.qk_head_dim(), start = cache.length();
+  const int64_t t = h.dim(0), heads = c.num_heads, qk = m.qk_head_dim();
   const int64_t nope = m.qk_nope_head_dim, rope_dim = m.qk_rope_head_dim, vd = m.v_head_dim;
-  const int64_t lora = m.kv_lora_rank, row = lora + rope_dim, ctx = start + t;
+  const int64_t lora = m.kv_lora_rank, row = lora + rope_dim;
 
   Tensor q = Tensor::empty(workspace_, {t, heads * qk});
   if (m.q_lora_rank > 0) {
@@ -179,35 +186,38 @@ void Model::latent_attention(int64_t layer, const Tensor& h, const std::vector<i
                           &positions[static_cast<size_t>(i)], inv_freq_.data());
   Tensor kv = Tensor::empty(workspace_, {t, row});
   ops::linear(pool_, h, w.kv_a, nullptr, kv);
-  float* cache_rows = cache.k(layer);
-  for (int64_t i = 0; i < t; ++i) {
-    float* dst = cache_rows + (start + i) * row;
-    const float* src = kv.data<float>() + i * row;
-    cpu::rms_norm(pool_, src, w.kv_a_norm.data<float>(), dst, 1, lora, kLatentNormEps);
-    std::memcpy(dst + lora, src + lora, static_cast<size_t>(rope_dim) * 4);
-    cpu::rope_interleaved(dst + lora, 1, 1, rope_dim, rope_dim, &positions[static_cast<size_t>(i)],
-                          inv_freq_.data());
-  }
-  // Expand the whole context's latents into per-head keys and values.
-  Tensor latents = Tensor::empty(workspace_, {ctx, lora});
-  for (int64_t j = 0; j < ctx; ++j)
-    std::memcpy(latents.data<float>() + j * lora, cache_rows + j * row, static_cast<size_t>(lora) * 4);
-  Tensor kvb = Tensor::empty(workspace_, {ctx, heads * (nope + vd)});
-  ops::linear(pool_, latents, w.kv_b, nullptr, kvb);
-  Tensor keys = Tensor::empty(workspace_, {ctx, heads * qk});
-  Tensor values = Tensor::empty(workspace_, {ctx, heads * vd});
-  for (int64_t j = 0; j < ctx; ++j)
-    for (int64_t hh = 0; hh < heads; ++hh) {
-      const float* src = kvb.data<float>() + (j * heads + hh) * (nope + vd);
-      float* kd = keys.data<float>() + (j * heads + hh) * qk;
-      std::memcpy(kd, src, static_cast<size_t>(nope) * 4);
-      std::memcpy(kd + nope, cache_rows + j * row + lora, static_cast<size_t>(rope_dim) * 4);
-      std::memcpy(values.data<float>() + (j * heads + hh) * vd, src + nope, static_cast<size_t>(vd) * 4);
-    }
   Tensor attn = Tensor::empty(workspace_, {t, heads * vd});
-  cpu::attention(pool_, q.data<float>(), keys.data<float>(), values.data<float>(), attn.data<float>(),
-                 t, ctx, heads, heads, qk, vd, heads * qk, heads * vd,
-                 1.0f / std::sqrt(static_cast<float>(qk)));
+  for (const Segment& seg : segments) {
+    float* cache_rows = seg.cache->k(layer);
+    const int64_t n = seg.end - seg.begin, ctx = seg.start + n;
+    for (int64_t i = 0; i < n; ++i) {
+      float* dst = cache_rows + (seg.start + i) * row;
+      const float* src = kv.data<float>() + (seg.begin + i) * row;
+      cpu::rms_norm(pool_, src, w.kv_a_norm.data<float>(), dst, 1, lora, kLatentNormEps);
+      std::memcpy(dst + lora, src + lora, static_cast<size_t>(rope_dim) * 4);
+      cpu::rope_interleaved(dst + lora, 1, 1, rope_dim, rope_dim,
+                            &positions[static_cast<size_t>(seg.begin + i)], inv_freq_.data());
+    }
+    // Expand the whole context's latents into per-head keys and values.
+    Tensor latents = Tensor::empty(workspace_, {ctx, lora});
+    for (int64_t j = 0; j < ctx; ++j)
+      std::memcpy(latents.data<float>() + j * lora, cache_rows + j * row, static_cast<size_t>(lora) * 4);
+    Tensor kvb = Tensor::empty(workspace_, {ctx, heads * (nope + vd)});
+    ops::linear(pool_, latents, w.kv_b, nullptr, kvb);
+    Tensor keys = Tensor::empty(workspace_, {ctx, heads * qk});
+    Tensor values = Tensor::empty(workspace_, {ctx, heads * vd});
+    for (int64_t j = 0; j < ctx; ++j)
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        const float* src = kvb.data<float>() + (j * heads + hh) * (nope + vd);
+        float* kd = keys.data<float>() + (j * heads + hh) * qk;
+        std::memcpy(kd, src, static_cast<size_t>(nope) * 4);
+        std::memcpy(kd + nope, cache_rows + j * row + lora, static_cast<size_t>(rope_dim) * 4);
+        std::memcpy(values.data<float>() + (j * heads + hh) * vd, src + nope, static_cast<size_t>(vd) * 4);
+      }
+    cpu::attention(pool_, q.data<float>() + seg.begin * heads * qk, keys.data<float>(),
+                   values.data<float>(), attn.data<float>() + seg.begin * heads * vd, n, ctx, heads,
+                   heads, qk, vd, heads * qk, heads * vd, 1.0f / std::sqrt(static_cast<float>(qk)));
+  }
   ops::linear(pool_, attn, w.o, nullptr, out);
 }
 
@@ -256,32 +266,52 @@ void Model::sparse_ffn(int64_t layer, const Tensor& h, Tensor& out) {
 }
 
 Tensor Model::forward(std::span<const int32_t> ids, KvCache& cache, bool all_logits) {
+  std::vector<SequenceInput> batch{{ids, &cache, all_logits}};
+  return std::move(forward_batch(batch)[0]);
+}
+
+std::vector<Tensor> Model::forward_batch(const std::vector<SequenceInput>& batch) {
   const ModelConfig& c = config_;
-  const int64_t t = static_cast<int64_t>(ids.size()), hidden = c.hidden_size;
-  MOE_CHECK(t > 0, kInvalidArgument, "empty input: at least one token is needed");
-  for (int32_t id : ids)
-    MOE_CHECK(id >= 0 && id < c.vocab_size, kInvalidArgument,
-              "token id {} is outside the vocabulary [0, {})", id, c.vocab_size);
-  const int64_t start = cache.length();
-  MOE_CHECK(start + t <= cache.capacity(), kInvalidArgument,
-            "context full: {} cached + {} new tokens exceed the capacity of {}", start, t,
-            cache.capacity());
-  MOE_CHECK(cache.k_width() == c.kv_key_width() && cache.v_width() == c.kv_value_width(),
-            kInvalidArgument, "KV cache was made for another model");
+  const int64_t hidden = c.hidden_size;
+  MOE_CHECK(!batch.empty(), kInvalidArgument, "empty batch: at least one sequence is needed");
+  // Validate everything before any cache is touched, so a rejected call changes nothing.
+  std::vector<Segment> segments;
+  int64_t t = 0;
+  for (const SequenceInput& in : batch) {
+    const int64_t n = static_cast<int64_t>(in.ids.size());
+    MOE_CHECK(n > 0, kInvalidArgument, "empty input: at least one token is needed");
+    for (int32_t id : in.ids)
+      MOE_CHECK(id >= 0 && id < c.vocab_size, kInvalidArgument,
+                "token id {} is outside the vocabulary [0, {})", id, c.vocab_size);
+    MOE_CHECK(in.cache != nullptr, kInvalidArgument, "a sequence has no KV cache");
+    KvCache& cache = *in.cache;
+    MOE_CHECK(cache.k_width() == c.kv_key_width() && cache.v_width() == c.kv_value_width(),
+              kInvalidArgument, "KV cache was made for another model");
+    MOE_CHECK(cache.length() + n <= cache.capacity(), kInvalidArgument,
+              "context full: {} cached + {} new tokens exceed the capacity of {}", cache.length(),
+              n, cache.capacity());
+    for (const Segment& other : segments)
+      MOE_CHECK(other.cache != in.cache, kInvalidArgument, "two sequences share one KV cache");
+    segments.push_back({t, t + n, in.cache, cache.length()});
+    t += n;
+  }
   workspace_.reset();
   std::vector<int32_t> positions(static_cast<size_t>(t));
-  for (int64_t i = 0; i < t; ++i) positions[static_cast<size_t>(i)] = static_cast<int32_t>(start + i);
-
   Tensor x = Tensor::empty(workspace_, {t, hidden});
-  for (int64_t i = 0; i < t; ++i)
-    std::memcpy(x.data<float>() + i * hidden, weights_.embed.data<float>() + ids[static_cast<size_t>(i)] * hidden,
-                static_cast<size_t>(hidden) * 4);
+  for (size_t s = 0; s < batch.size(); ++s)
+    for (int64_t i = 0; i < segments[s].end - segments[s].begin; ++i) {
+      const int64_t row = segments[s].begin + i;
+      positions[static_cast<size_t>(row)] = static_cast<int32_t>(segments[s].start + i);
+      std::memcpy(x.data<float>() + row * hidden,
+                  weights_.embed.data<float>() + batch[s].ids[static_cast<size_t>(i)] * hidden,
+                  static_cast<size_t>(hidden) * 4);
+    }
   Tensor h = Tensor::empty(workspace_, {t, hidden});
   Tensor branch = Tensor::empty(workspace_, {t, hidden});
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& lw = weights_.layers[static_cast<size_t>(l)];
     ops::rms_norm(pool_, x, lw.input_norm, c.rms_norm_eps, h);
-    attention(l, h, positions, cache, branch);
+    attention(l, h, positions, segments, branch);
     ops::add_inplace(x, branch);
     ops::rms_norm(pool_, x, lw.post_attention_norm, c.rms_norm_eps, h);
     if (lw.sparse)
@@ -290,15 +320,19 @@ Tensor Model::forward(std::span<const int32_t> ids, KvCache& cache, bool all_log
       dense_ffn(lw.mlp, h, branch);
     ops::add_inplace(x, branch);
   }
-  cache.set_length(start + t);
-
-  const int64_t rows = all_logits ? t : 1;
-  Tensor last = x.rows(t - rows, t);
-  Tensor normed = Tensor::empty(workspace_, {rows, hidden});
-  ops::rms_norm(pool_, last, weights_.final_norm, c.rms_norm_eps, normed);
-  Tensor logits = Tensor::zeros({rows, c.vocab_size});
-  ops::linear(pool_, normed, weights_.lm_head, nullptr, logits);
-  return logits;
+  std::vector<Tensor> out;
+  for (size_t s = 0; s < batch.size(); ++s) {
+    const Segment& seg = segments[s];
+    seg.cache->set_length(seg.start + (seg.end - seg.begin));
+    const int64_t rows = batch[s].all_logits ? seg.end - seg.begin : 1;
+    Tensor last = x.rows(seg.end - rows, seg.end);
+    Tensor normed = Tensor::empty(workspace_, {rows, hidden});
+    ops::rms_norm(pool_, last, weights_.final_norm, c.rms_norm_eps, normed);
+    Tensor logits = Tensor::zeros({rows, c.vocab_size});
+    ops::linear(pool_, normed, weights_.lm_head, nullptr, logits);
+    out.push_back(std::move(logits));
+  }
+  return out;
 }
 
 }  // namespace moe

@@ -35,6 +35,13 @@ struct LoadOptions {
   dist::EpBackend ep_backend = dist::EpBackend::kLocalAllreduce;
 };
 
+// One sequence of a batched forward: its new tokens and its own cache.
+struct SequenceInput {
+  std::span<const int32_t> ids;
+  KvCache* cache = nullptr;
+  bool all_logits = false;
+};
+
 class Model {
  public:
   // Validates the config first, then maps the weights and converts them to the compute layout.
@@ -50,6 +57,10 @@ class Model {
   // returns f32 logits: [T, vocab] when all_logits, else [1, vocab] for the last position.
   // Throws kInvalidArgument for an empty input, an id outside the vocabulary or a full cache.
   Tensor forward(std::span<const int32_t> ids, KvCache& cache, bool all_logits = false);
+  // Several sequences in one forward: every linear layer and MoE block sees all their tokens at
+  // once; attention runs per sequence over its own cache. Returns one logits tensor per
+  // sequence. Nothing is changed when any input is rejected.
+  std::vector<Tensor> forward_batch(const std::vector<SequenceInput>& batch);
 
   size_t weight_bytes() const { return weights_arena_.used(); }
   size_t workspace_bytes() const { return workspace_.high_water(); }
@@ -63,10 +74,17 @@ class Model {
 
  private:
   Model(std::string dir, ModelConfig config, int threads, ExecMode exec);
+  // Rows [begin, end) of a batched forward belong to one sequence whose cache held `start`
+  // tokens before the call.
+  struct Segment {
+    int64_t begin, end;
+    KvCache* cache;
+    int64_t start;
+  };
   void attention(int64_t layer, const Tensor& h, const std::vector<int32_t>& positions,
-                 KvCache& cache, Tensor& out);
+                 const std::vector<Segment>& segments, Tensor& out);
   void latent_attention(int64_t layer, const Tensor& h, const std::vector<int32_t>& positions,
-                        KvCache& cache, Tensor& out);
+                        const std::vector<Segment>& segments, Tensor& out);
   void dense_ffn(const FfnWeights& w, const Tensor& h, Tensor& out);
   void sparse_ffn(int64_t layer, const Tensor& h, Tensor& out);
 

@@ -73,5 +73,16 @@ expect bad_top_p "top-p" -- "$cli" generate -m "$src/models/tiny-qwen3-moe" -p "
 expect detokenize_out_of_vocab "999999" -- "$cli" detokenize -m "$src/models/tiny-qwen3-moe" --ids 999999
 expect context_too_long "exceed the context" -- "$cli" generate -m "$src/models/tiny-qwen3-moe" -p "hi there" -n 10 --ctx 4
 
+expect unknown_ep_backend "valid names: local_allreduce" -- "$cli" logits -m "$fixture" --ids 1 --ep 2 --ep-backend fastest
+expect gpu_only_ep_backend "p2p" -- "$cli" logits -m "$fixture" --ids 1 --ep 2 --ep-backend p2p
+expect ep_larger_than_experts "larger than the number of experts" -- "$cli" logits -m "$fixture" --ids 1 --ep 9
+expect bad_exec_mode "valid: naive, grouped" -- "$cli" logits -m "$fixture" --ids 1 --exec fastest
+bench=${MOE_BENCH:-$(dirname "$cli")/moe-bench}
+expect bench_unknown_preset "unknown layer preset" -- "$bench" layer --preset gpt5
+expect bench_ep_too_large "must be in \\[1, 8\\]" -- "$bench" layer --ep 9
+expect bench_cuda_not_built "CPU only" -- "$bench" layer --device cuda
+expect bench_model_preset_without_weights "add --random-weights" -- "$bench" model --preset qwen3-moe-mid
+expect bench_model_too_big "this machine has" -- "$bench" model --preset deepseek-v3 --random-weights
+
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

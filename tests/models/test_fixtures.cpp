@@ -103,6 +103,37 @@ TEST_P(FixtureTest, IncrementalDecodeMatchesPrefill) {
   EXPECT_LE(worst, 1e-5f);
 }
 
+// Sequences of different lengths in one batched forward give the logits each gives alone.
+TEST_P(FixtureTest, BatchedForwardMatchesSeparateForwards) {
+  auto model = Model::load(fixture_dir(GetParam()));
+  const int64_t vocab = model->config().vocab_size;
+  std::vector<std::vector<int32_t>> prompts{{5, 9, 1}, {7}, {3, 2, 8, 8, 4, 6}};
+  std::vector<KvCache> caches;
+  for (size_t i = 0; i < prompts.size(); ++i) caches.push_back(model->new_cache(16));
+  std::vector<SequenceInput> batch;
+  for (size_t i = 0; i < prompts.size(); ++i) batch.push_back({prompts[i], &caches[i], true});
+  auto together = model->forward_batch(batch);
+  std::vector<int32_t> next{11, 12, 13};  // a decode step for all three at once
+  for (size_t i = 0; i < prompts.size(); ++i) batch[i] = {std::span<const int32_t>(&next[i], 1), &caches[i], false};
+  auto step = model->forward_batch(batch);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    KvCache alone = model->new_cache(16);
+    Tensor ref = model->forward(prompts[i], alone, true);
+    ASSERT_EQ(ref.shape(), together[i].shape());
+    for (int64_t j = 0; j < ref.numel(); ++j)
+      ASSERT_NEAR(ref.data<float>()[j], together[i].data<float>()[j], 1e-5) << i;
+    std::vector<int32_t> one{next[i]};
+    Tensor ref_step = model->forward(one, alone);
+    for (int64_t v = 0; v < vocab; ++v)
+      ASSERT_NEAR(ref_step.data<float>()[v], step[i].data<float>()[v], 1e-5) << i;
+  }
+  // A bad sequence rejects the whole batch and leaves every cache as it was.
+  std::vector<int32_t> bad{static_cast<int32_t>(vocab)};
+  batch[1].ids = bad;
+  EXPECT_THROW(model->forward_batch(batch), Error);
+  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(caches[i].length(), static_cast<int64_t>(prompts[i].size()) + 1);
+}
+
 INSTANTIATE_TEST_SUITE_P(Transformers, FixtureTest,
                          ::testing::Values("qwen3_dense_f32", "qwen3_moe_f32",
                                            "qwen3_moe_nonorm_f32", "qwen3_moe_bf16",

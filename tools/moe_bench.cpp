@@ -1,0 +1,50 @@
+// moe-bench: measured throughput of one MoE layer (`layer`) or a whole model (`model`).
+#include <CLI/CLI.hpp>
+
+#include "bench_layer.h"
+#include "bench_model.h"
+#include "cli_common.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"moe-bench: MoE layer and model benchmarks"};
+  app.require_subcommand(1);
+
+  moe::bench::LayerBenchArgs la;
+  auto* layer = app.add_subcommand(
+      "layer", "one MoE layer in every mode (default: the seed workload, 64 tokens, H 512, I 1024, 8 experts, top-2, ep 2)");
+  layer->add_option("--preset", la.preset, "seed | qwen3-30b-a3b | deepseek-v2-lite | deepseek-v3 | mixtral-8x7b")->capture_default_str();
+  layer->add_option("--tokens", la.tokens, "tokens per forward (default: 64)");
+  layer->add_option("--ep", la.ep, "expert-parallel ranks")->capture_default_str();
+  layer->add_option("--dtype", la.dtype, "activation and weight dtype")->capture_default_str();
+  layer->add_option("--device", la.device, "cpu | cuda")->capture_default_str();
+  layer->add_option("--runs", la.runs, "timed runs")->capture_default_str();
+  layer->add_option("--warmup", la.warmup, "untimed runs first")->capture_default_str();
+  layer->add_option("--threads", la.threads, "CPU threads in all (0: all)");
+  layer->add_option("--modes", la.modes, "comma-separated subset of the modes");
+  layer->add_flag("--json", la.json, "print one JSON document");
+
+  moe::bench::ModelBenchArgs ma;
+  auto* model = app.add_subcommand("model", "prefill and decode tokens/s of a whole model");
+  model->add_option("-m,--model", ma.model_dir, "Hugging Face model directory");
+  model->add_option("--preset", ma.preset, "a directory under presets/ (real shapes, no weights)");
+  model->add_flag("--random-weights", ma.random_weights, "random weights of the config's shapes");
+  model->add_option("--batch", ma.batch, "sequences per forward")->capture_default_str();
+  model->add_option("--input-len", ma.input_len, "prompt tokens per sequence")->capture_default_str();
+  model->add_option("--output-len", ma.output_len, "generated tokens per sequence")->capture_default_str();
+  model->add_option("--threads", ma.threads, "CPU threads in all (0: all)");
+  model->add_option("--ep", ma.ep, "expert-parallel ranks")->capture_default_str();
+  model->add_option("--ep-backend", ma.ep_backend, "EP backend")->capture_default_str();
+  model->add_option("--exec", ma.exec, "naive | grouped")->capture_default_str();
+  model->add_option("--device", ma.device, "cpu | cuda")->capture_default_str();
+  model->add_flag("--json", ma.json, "print one JSON document");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return moe::cli::guarded([&] {
+    if (*layer) return moe::bench::run_layer_bench(la);
+    return moe::bench::run_model_bench(ma);
+  });
+}
