@@ -236,10 +236,15 @@ int run_info(const Common& c) {
   std::printf("architecture: %s\n", mc.architecture.c_str());
   std::printf("layers: %lld (%lld sparse MoE, %lld dense)\n", (long long)mc.num_layers,
               (long long)sparse, (long long)(mc.num_layers - sparse));
-  std::printf("hidden: %lld, heads: %lld q / %lld kv x %lld, vocab: %lld, context: %lld\n",
-              (long long)mc.hidden_size, (long long)mc.num_heads, (long long)mc.num_kv_heads,
-              (long long)mc.head_dim, (long long)mc.vocab_size,
-              (long long)mc.max_position_embeddings);
+  if (mc.attention == AttentionKind::kMla)
+    std::printf("hidden: %lld, heads: %lld, vocab: %lld, context: %lld\n", (long long)mc.hidden_size,
+                (long long)mc.num_heads, (long long)mc.vocab_size,
+                (long long)mc.max_position_embeddings);
+  else
+    std::printf("hidden: %lld, heads: %lld q / %lld kv x %lld, vocab: %lld, context: %lld\n",
+                (long long)mc.hidden_size, (long long)mc.num_heads, (long long)mc.num_kv_heads,
+                (long long)mc.head_dim, (long long)mc.vocab_size,
+                (long long)mc.max_position_embeddings);
   if (sparse > 0) {
     std::printf("experts: %lld, top-k: %lld, expert intermediate: %lld\n",
                 (long long)mc.moe.num_experts, (long long)mc.moe.top_k,
