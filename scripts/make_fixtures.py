@@ -32,6 +32,9 @@ FIXTURES = {
     "qwen3_dense_f32": ("Qwen3ForCausalLM", "Qwen3Config", dict(
         SMALL, num_hidden_layers=2, head_dim=16, intermediate_size=128, rope_theta=10000.0,
         tie_word_embeddings=False), torch.float32, {}),
+    "qwen3_dense_bf16_tied": ("Qwen3ForCausalLM", "Qwen3Config", dict(
+        SMALL, num_key_value_heads=4, num_hidden_layers=3, head_dim=8, intermediate_size=72,
+        rope_theta=1000000.0, tie_word_embeddings=True), torch.bfloat16, {}),
     "qwen3_moe_f32": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
         SMALL, num_hidden_layers=3, head_dim=32, intermediate_size=96, moe_intermediate_size=32,
         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
@@ -55,6 +58,10 @@ FIXTURES = {
         SMALL, num_hidden_layers=2, intermediate_size=40, num_local_experts=8,
         num_experts_per_tok=2, rope_theta=10000.0, tie_word_embeddings=False),
         torch.float16, {"max_shard_size": "300KB"}),
+    "mixtral_bf16": ("MixtralForCausalLM", "MixtralConfig", dict(
+        SMALL, num_hidden_layers=3, intermediate_size=32, num_local_experts=6,
+        num_experts_per_tok=3, rope_theta=10000.0, tie_word_embeddings=True),
+        torch.bfloat16, {}),
     # --- the MoE-subsystem architectures ---
     "deepseek_v2_f32": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
         SMALL, num_key_value_heads=4, num_hidden_layers=3, intermediate_size=96,

@@ -80,9 +80,14 @@ TEST_P(EpModelTest, BackendsRanksAndModesAgree) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, EpModelTest,
-                         ::testing::Values("qwen3_moe_f32", "qwen3_moe_nonorm_f32", "mixtral_f32",
-                                           "deepseek_v2_grouped_f32", "deepseek_v3_f32",
-                                           "deepseek_v3_g8_f32", "qwen2_moe_f32", "olmoe_f32"));
+                         // Every fixture with routed experts (the dense Qwen3 ones have none to
+                         // spread, and ep > 1 is refused for them).
+                         ::testing::Values("qwen3_moe_f32", "qwen3_moe_nonorm_f32", "qwen3_moe_bf16",
+                                           "mixtral_f32", "mixtral_f16_sharded", "mixtral_bf16",
+                                           "deepseek_v2_f32", "deepseek_v2_grouped_f32",
+                                           "deepseek_v3_f32", "deepseek_v3_g8_f32",
+                                           "deepseek_v3_bf16", "qwen2_moe_f32", "olmoe_f32"),
+                         [](const auto& info) { return info.param; });
 
 TEST(EpModel, StateDictKeysAreTheUnionOverRanks) {
   ModelConfig mc = load_model_config(fixture("deepseek_v3_f32"));

@@ -135,9 +135,9 @@ TEST_P(FixtureTest, BatchedForwardMatchesSeparateForwards) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transformers, FixtureTest,
-                         ::testing::Values("qwen3_dense_f32", "qwen3_moe_f32",
+                         ::testing::Values("qwen3_dense_f32", "qwen3_dense_bf16_tied", "qwen3_moe_f32",
                                            "qwen3_moe_nonorm_f32", "qwen3_moe_bf16",
-                                           "mixtral_f32", "mixtral_f16_sharded",
+                                           "mixtral_f32", "mixtral_f16_sharded", "mixtral_bf16",
                                            "tiny_qwen3_moe", "deepseek_v2_f32",
                                            "deepseek_v2_grouped_f32", "deepseek_v3_f32",
                                            "deepseek_v3_g8_f32", "deepseek_v3_bf16",

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "test_util.h"
 #include "io/chat_template.h"
 #include "moe/errors.h"
 
@@ -32,25 +33,8 @@ bool require_config(const std::string& name) {
   return false;
 }
 
-template <typename F>
-moe::ErrorKind error_kind_of(F&& f, std::string* message = nullptr) {
-  try {
-    f();
-  } catch (const moe::Error& e) {
-    if (message) *message = e.what();
-    return e.kind();
-  }
-  ADD_FAILURE() << "no moe::Error was thrown";
-  return moe::ErrorKind::kInternal;
-}
-
-std::string temp_file(const std::string& name, const std::string& content) {
-  const auto dir = std::filesystem::temp_directory_path() / "moe_chat_template_tests";
-  std::filesystem::create_directories(dir);
-  const auto path = (dir / name).string();
-  std::ofstream(path, std::ios::binary) << content;
-  return path;
-}
+using moe::test::error_kind_of;
+using moe::test::temp_file;
 
 void check_reference_chats(const std::string& name, bool required) {
   if (!require_config(name)) return;

@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "test_util.h"
 #include "io/tokenizer.h"
 #include "io/unicode_util.h"
 #include "moe/errors.h"
@@ -60,25 +61,8 @@ const json* load_refs(const std::string& name) {
 
 std::vector<int32_t> as_ids(const json& j) { return j.get<std::vector<int32_t>>(); }
 
-template <typename F>
-moe::ErrorKind error_kind_of(F&& f, std::string* message = nullptr) {
-  try {
-    f();
-  } catch (const moe::Error& e) {
-    if (message) *message = e.what();
-    return e.kind();
-  }
-  ADD_FAILURE() << "no moe::Error was thrown";
-  return moe::ErrorKind::kInternal;
-}
-
-std::string temp_file(const std::string& name, const std::string& content) {
-  const auto dir = std::filesystem::temp_directory_path() / "moe_tokenizer_tests";
-  std::filesystem::create_directories(dir);
-  const auto path = (dir / name).string();
-  std::ofstream(path, std::ios::binary) << content;
-  return path;
-}
+using moe::test::error_kind_of;
+using moe::test::temp_file;
 
 void check_reference_ids(const std::string& name) {
   const moe::Tokenizer* tok = load_tokenizer(name);

@@ -59,6 +59,17 @@ std::string make_f32_safetensors(const std::vector<F32Tensor>& tensors) {
   return safetensors_bytes(header.dump(), data);
 }
 
+std::string temp_file(const std::string& name, const std::string& content) {
+  static const fs::path dir = [] {
+    fs::path d = fs::temp_directory_path() / ("moe-test-files-" + std::to_string(::getpid()));
+    fs::create_directories(d);
+    return d;
+  }();
+  fs::path path = dir / name;
+  write_file(path, content);
+  return path.string();
+}
+
 void copy_fixture(const std::string& name, const fs::path& dest) {
   fs::copy(fs::path(MOE_SOURCE_DIR) / "tests" / "fixtures" / name, dest,
            fs::copy_options::recursive | fs::copy_options::overwrite_existing);

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "moe/errors.h"
@@ -51,5 +52,22 @@ Error expect_error(Fn&& fn) {
   }
   throw std::runtime_error("expected a moe::Error, but nothing was thrown");
 }
+
+// Runs `fn` and returns the kind of the moe::Error it throws (and its message); records a test
+// failure when it throws nothing.
+template <typename Fn>
+ErrorKind error_kind_of(Fn&& fn, std::string* message = nullptr) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    if (message) *message = e.what();
+    return e.kind();
+  }
+  ADD_FAILURE() << "no moe::Error was thrown";
+  return ErrorKind::kInternal;
+}
+
+// Writes `content` to a file named `name` in a per-run temporary directory; returns its path.
+std::string temp_file(const std::string& name, const std::string& content);
 
 }  // namespace moe::test
