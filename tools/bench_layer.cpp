@@ -185,14 +185,19 @@ Result run_mode(const Setup& s, const Mode& m, int ep, int warmup, int runs, int
 
 }  // namespace
 
-int run_layer_bench(const LayerBenchArgs& a) {
-  MOE_CHECK(a.device == "cpu", kUnsupported,
-            "--device {}: this build runs the layer benchmark on the CPU only (the CUDA kernels "
-            "are not there yet)", a.device);
-  MOE_CHECK(a.dtype == "f32", kUnsupported,
-            "--dtype {}: the CPU reference computes in f32 (bf16 / f16 arrive with the CUDA path)",
-            a.dtype);
+int run_layer_bench(const LayerBenchArgs& args) {
+  LayerBenchArgs a = args;
+  const bool gpu = a.device == "cuda";
+  if (a.ep == 0) a.ep = gpu ? 1 : 2;
+  if (a.dtype.empty()) a.dtype = gpu ? "bf16" : "f32";
+  MOE_CHECK(a.device == "cpu" || a.device == "cuda", kInvalidArgument,
+            "--device {}: valid devices are cpu and cuda", a.device);
   Shape shape = find_shape(a.preset);
+  if (a.device == "cuda")
+    return run_layer_bench_cuda(a, shape.experts, shape.hidden, shape.inter, shape.top_k,
+                                shape.router, shape.name);
+  MOE_CHECK(a.dtype == "f32", kUnsupported,
+            "--dtype {}: the CPU reference computes in f32 (bf16 runs on --device cuda)", a.dtype);
   if (a.tokens > 0) shape.tokens = a.tokens;
   MOE_CHECK(a.ep >= 1 && a.ep <= shape.experts, kInvalidArgument,
             "--ep {} must be in [1, {}] (the number of experts)", a.ep, shape.experts);

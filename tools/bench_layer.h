@@ -1,5 +1,6 @@
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace moe::bench {
@@ -7,8 +8,8 @@ namespace moe::bench {
 struct LayerBenchArgs {
   std::string preset = "seed";
   int64_t tokens = 0;  // 0: the preset's
-  int ep = 2;
-  std::string dtype = "f32";
+  int ep = 0;         // 0: 2 on the CPU (the seed's), 1 on CUDA
+  std::string dtype;  // empty: f32 on the CPU, bf16 on CUDA
   std::string device = "cpu";
   bool json = false;
   int runs = 20;
@@ -18,5 +19,14 @@ struct LayerBenchArgs {
 };
 
 int run_layer_bench(const LayerBenchArgs& args);
+
+}  // namespace moe::bench
+namespace moe {
+struct RouterConfig;
+}
+namespace moe::bench {
+// The GPU half (bench_layer_cuda.cpp, or a stub without CUDA).
+int run_layer_bench_cuda(const LayerBenchArgs& args, int64_t experts, int64_t hidden,
+                         int64_t inter, int64_t top_k, const RouterConfig& router, const char* name);
 
 }  // namespace moe::bench
