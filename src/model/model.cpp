@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <unordered_set>
 
 #include "backend/cpu/kernels.h"
 #include "io/checkpoint.h"
@@ -26,9 +27,9 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> state_dict_keys(
   WeightLoader recorder = WeightLoader::recording(unused);
   load_weights(mc, recorder, experts);
   std::vector<std::pair<std::string, std::vector<int64_t>>> keys;
+  std::unordered_set<std::string> seen;  // first occurrence wins: stable order, no duplicates
   for (const auto& entry : recorder.taken())
-    if (keys.empty() || std::none_of(keys.begin(), keys.end(), [&](const auto& k) { return k.first == entry.first; }))
-      keys.push_back(entry);
+    if (seen.insert(entry.first).second) keys.push_back(entry);
   return keys;
 }
 
