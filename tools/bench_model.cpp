@@ -17,14 +17,18 @@
 namespace moe::bench {
 
 int run_model_bench(const ModelBenchArgs& a) {
-  MOE_CHECK(a.device == "cpu", kUnsupported,
-            "--device {}: this build runs models on the CPU only (the CUDA kernels are not there yet)",
-            a.device);
+  MOE_CHECK(a.device == "cpu" || a.device == "cuda", kInvalidArgument,
+            "--device {}: expected cpu or cuda", a.device);
   MOE_CHECK(a.model_dir.empty() != a.preset.empty(), kInvalidArgument,
             "give exactly one of -m DIR and --preset NAME");
   const std::string dir = a.preset.empty() ? a.model_dir : preset_dir(a.preset);
   MOE_CHECK(a.preset.empty() || a.random_weights, kInvalidArgument,
             "presets hold no weights: add --random-weights");
+  if (a.device == "cuda") {
+    MOE_CHECK(a.batch >= 1 && a.input_len >= 1 && a.output_len >= 0, kInvalidArgument,
+              "--batch and --input-len must be >= 1, --output-len >= 0");
+    return run_model_bench_cuda(a, dir);
+  }
   MOE_CHECK(a.batch >= 1 && a.input_len >= 1 && a.output_len >= 0, kInvalidArgument,
             "--batch and --input-len must be >= 1, --output-len >= 0");
   dist::DistConfig dc;

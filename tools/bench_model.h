@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace moe::bench {
 
@@ -17,9 +18,14 @@ struct ModelBenchArgs {
   std::string ep_backend = "local_allreduce";
   std::string exec = "grouped";
   std::string device = "cpu";
+  std::vector<int> batches;  // cuda: several decode batch sizes on one loaded model
+  int prefill_len = 0;       // cuda: also time one prompt of this many tokens alone
+  bool profile = false;      // cuda: one more decode step per batch, timed per operation
   bool json = false;
 };
 
 int run_model_bench(const ModelBenchArgs& args);
+// The whole model on one GPU (bench_model_cuda.cpp); `dir` is the resolved model directory.
+int run_model_bench_cuda(const ModelBenchArgs& args, const std::string& dir);
 
 }  // namespace moe::bench

@@ -10,6 +10,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "backend/cuda_engine.h"
 #include "backend/device_info.h"
 #include "cli_common.h"
 #include "dist/inprocess_communicator.h"
@@ -35,6 +36,28 @@ struct Common {
   std::string ep_backend = "local_allreduce";
   std::string exec = "grouped";
   bool expert_stats = false;
+  std::string device = "cpu";
+  int max_batch = 1;
+
+  bool on_cuda() const {
+    MOE_CHECK(device == "cpu" || device == "cuda", kInvalidArgument,
+              "--device {}: expected cpu or cuda", device);
+    if (device == "cpu") return false;
+    MOE_CHECK(ep == 1, kUnsupported, "--device cuda runs on one GPU: --ep {} is CPU-only so far", ep);
+    MOE_CHECK(!expert_stats, kUnsupported, "--expert-stats is CPU-only so far");
+    return true;
+  }
+
+  std::unique_ptr<cuda::Engine> load_cuda(int64_t context, int64_t sampled_vocab = 0) const {
+    cuda::EngineOptions eo;
+    eo.progress = true;
+    eo.random_weights = random_weights;
+    eo.seed = weights_seed;
+    eo.max_batch = max_batch;
+    eo.max_context = context;
+    eo.sampled_vocab = sampled_vocab;
+    return cuda::Engine::load(model_dir, eo);
+  }
 
   LoadOptions load_options() const {
     LoadOptions lo;
@@ -99,6 +122,7 @@ void add_parallel_flags(CLI::App* cmd, Common& c) {
       ->capture_default_str();
   cmd->add_option("--exec", c.exec, "routed-expert execution: naive | grouped")->capture_default_str();
   cmd->add_flag("--expert-stats", c.expert_stats, "print tokens per expert per layer on stderr");
+  cmd->add_option("--device", c.device, "cpu | cuda (one GPU, bf16)")->capture_default_str();
 }
 
 void add_weight_flags(CLI::App* cmd, Common& c) {
@@ -132,38 +156,32 @@ int run_generate(const Common& c, const std::string& prompt, int n, const Sampli
   }
   std::vector<int32_t> ids = tok.encode(text, /*add_special=*/true);
   MOE_CHECK(!ids.empty(), kInvalidArgument, "the prompt encodes to no tokens");
-  c.run([&](Model& model, bool print) {
-    const ModelConfig& mc = model.config();
-    int64_t capacity = ctx > 0 ? ctx : std::min<int64_t>(mc.max_position_embeddings,
-                                                         static_cast<int64_t>(ids.size()) + n);
+  auto t0 = std::chrono::steady_clock::now();
+  double prompt_s = 0;
+  // Streams tokens from `first` (the prompt's) and `next` (each later one) until n or EOS.
+  auto stream_out = [&](const ModelConfig& mc, bool print, const std::function<int32_t()>& first,
+                        const std::function<int32_t(int32_t)>& next) {
+    const int64_t capacity = ctx > 0 ? ctx : std::min<int64_t>(mc.max_position_embeddings,
+                                                               static_cast<int64_t>(ids.size()) + n);
     MOE_CHECK(static_cast<int64_t>(ids.size()) + n <= capacity, kInvalidArgument,
               "prompt ({} tokens) + {} new tokens exceed the context of {} tokens", ids.size(), n,
               capacity);
-    KvCache cache = model.new_cache(capacity);
-    Sampler sampler(sp);
     StreamDecoder stream(tok, /*skip_special=*/false);
-
-    auto t0 = std::chrono::steady_clock::now();
-    Tensor logits = model.forward(ids, cache);
-    double prompt_s = seconds_since(t0);
+    t0 = std::chrono::steady_clock::now();
+    int32_t token = n > 0 ? first() : 0;
+    prompt_s = seconds_since(t0);
     auto t1 = std::chrono::steady_clock::now();
     int generated = 0;
     for (; generated < n; ++generated) {
-      // Models pad their vocabulary past the tokenizer's ids (Qwen3: 151936 vs 151669); ids
-      // with no token are never sampled.
-      int32_t next = sampler.sample(logits.data<float>(), std::min<int64_t>(mc.vocab_size, tok.vocab_size()));
       bool stop = !ignore_eos && std::find(mc.eos_token_ids.begin(), mc.eos_token_ids.end(),
-                                           next) != mc.eos_token_ids.end();
+                                           token) != mc.eos_token_ids.end();
       if (stop) break;
-      std::string piece = stream.push(next);
+      std::string piece = stream.push(token);
       if (print) {
         std::fwrite(piece.data(), 1, piece.size(), stdout);
         std::fflush(stdout);
       }
-      if (generated + 1 < n) {
-        std::vector<int32_t> one{next};
-        logits = model.forward(one, cache);
-      }
+      if (generated + 1 < n) token = next(token);
     }
     if (!print) return;
     std::string rest = stream.flush();
@@ -173,6 +191,37 @@ int run_generate(const Common& c, const std::string& prompt, int n, const Sampli
     std::fprintf(stderr, "prompt: %zu tokens, %.1f tok/s | generation: %d tokens, %.1f tok/s\n",
                  ids.size(), ids.size() / prompt_s, generated,
                  generated > 0 ? generated / gen_s : 0.0);
+  };
+  if (c.on_cuda()) {
+    const ModelConfig mc = load_model_config(c.model_dir);
+    const int64_t context = ctx > 0 ? ctx : std::min<int64_t>(mc.max_position_embeddings,
+                                                              static_cast<int64_t>(ids.size()) + n);
+    auto engine = c.load_cuda(context, std::min<int64_t>(mc.vocab_size, tok.vocab_size()));
+    const int32_t seq = engine->open_sequence();
+    const SamplingParams device_sp = sp;
+    stream_out(mc, true, [&] { return engine->prefill(seq, ids, device_sp); },
+               [&](int32_t token) {
+                 std::vector<int32_t> seqs{seq}, tokens{token};
+                 std::vector<SamplingParams> params{device_sp};
+                 return engine->decode(seqs, tokens, params)[0];
+               });
+    return 0;
+  }
+  c.run([&](Model& model, bool print) {
+    const ModelConfig& mc = model.config();
+    const int64_t capacity = ctx > 0 ? ctx : std::min<int64_t>(mc.max_position_embeddings,
+                                                               static_cast<int64_t>(ids.size()) + n);
+    KvCache cache = model.new_cache(capacity);
+    Sampler sampler(sp);
+    // Models pad their vocabulary past the tokenizer's ids (Qwen3: 151936 vs 151669); ids with
+    // no token are never sampled.
+    const int64_t usable = std::min<int64_t>(mc.vocab_size, tok.vocab_size());
+    stream_out(mc, print,
+               [&] { return sampler.sample(model.forward(ids, cache).data<float>(), usable); },
+               [&](int32_t token) {
+                 std::vector<int32_t> one{token};
+                 return sampler.sample(model.forward(one, cache).data<float>(), usable);
+               });
   });
   return 0;
 }
@@ -180,10 +229,7 @@ int run_generate(const Common& c, const std::string& prompt, int n, const Sampli
 int run_logits(const Common& c, const std::string& ids_text) {
   std::vector<int32_t> ids = cli::parse_ids(ids_text);
   MOE_CHECK(!ids.empty(), kInvalidArgument, "empty prompt: --ids needs at least one token id");
-  c.run([&](Model& model, bool print) {
-    KvCache cache = model.new_cache(static_cast<int64_t>(ids.size()));
-    Tensor logits = model.forward(ids, cache, /*all_logits=*/true);
-    if (!print) return;
+  auto print_logits = [](const Tensor& logits) {
     const int64_t t = logits.dim(0), v = logits.dim(1);
     std::string out = fmt::format("{{\"shape\":[{},{}],\"logits\":[", t, v);
     for (int64_t i = 0; i < t; ++i) {
@@ -196,6 +242,18 @@ int run_logits(const Common& c, const std::string& ids_text) {
     }
     out += "]}\n";
     std::fwrite(out.data(), 1, out.size(), stdout);
+  };
+  if (c.on_cuda()) {
+    auto engine = c.load_cuda(static_cast<int64_t>(ids.size()));
+    Tensor logits;
+    engine->prefill(engine->open_sequence(), ids, SamplingParams{}, &logits, /*all_logits=*/true);
+    print_logits(logits);
+    return 0;
+  }
+  c.run([&](Model& model, bool print) {
+    KvCache cache = model.new_cache(static_cast<int64_t>(ids.size()));
+    Tensor logits = model.forward(ids, cache, /*all_logits=*/true);
+    if (print) print_logits(logits);
   });
   return 0;
 }

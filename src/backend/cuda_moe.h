@@ -1,10 +1,12 @@
-// The routed experts of one MoE layer on a CUDA device, small-M (decode) path: bf16 weights and
-// activations, f32 accumulation. Routing (ids, weights) and the plan stay on the device; every
-// buffer is allocated at construction for the largest M, so forward() allocates nothing and can
-// be captured in a CUDA graph. Declared without CUDA types so CPU-only code can include it; in a
-// build without CUDA every entry point throws kUnsupported.
+// The routed experts of one MoE layer on a CUDA device: bf16 weights and activations, f32
+// accumulation. Routing (ids, weights) and the plan stay on the device; forward() allocates
+// nothing and can be captured in a CUDA graph. Two paths, picked per call by M (the heuristics
+// are in backend/cuda/moe_heuristics.h): a GEMV path for small M (decode) and a tensor-core
+// grouped GEMM for large M (prefill), on wgmma + TMA where the device is sm_90. Declared without CUDA types so CPU-only code can include
+// it; in a build without CUDA every constructor throws kUnsupported.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 
@@ -12,23 +14,79 @@
 
 namespace moe::cuda {
 
+struct ExpertShape {
+  int64_t experts = 0;  // local experts on this device, 1 to 512
+  int64_t hidden = 0;
+  int64_t inter = 0;
+  int64_t top_k = 0;
+};
+
+enum class ExpertPath {
+  kAuto,  // by M, from the heuristics
+  kGemv,  // hidden and inter multiples of 8, at most 2048
+  kGemm,  // hidden and inter multiples of 64, at most 8192 (mma.sync, any sm_90 build)
+  kWgmma, // the kGemm widths, on wgmma + TMA: devices of compute capability 9.0 only
+};
+
+// Whether `path` can run this shape (kAuto: whether any can); for kWgmma the device must also be
+// of compute capability 9.0, which forward() checks.
+bool experts_support(const ExpertShape& shape, ExpertPath path);
+
+// The non-owning core: the weights and the workspace belong to the caller, so that an engine can
+// draw its weights on the device and share one workspace among all its layers.
+class Experts {
+ public:
+  // gate_up: bf16 [experts, 2 * inter, hidden] (gate rows, then up rows); down: bf16
+  // [experts, hidden, inter]; both on `device`, 16-byte aligned, alive as long as this object.
+  // max_tokens (1 to 16384) bounds M. Throws kUnsupported for a shape neither path runs or when
+  // no CUDA device `device` exists; kInvalidArgument for a malformed shape.
+  Experts(const void* gate_up, const void* down, ExpertShape shape, int64_t max_tokens,
+          int device = 0);
+
+  // Bytes of device workspace forward() needs for up to max_tokens (plan, activations, partial
+  // sums); the caller allocates it, 256-byte aligned.
+  static size_t workspace_bytes(const ExpertShape& shape, int64_t max_tokens);
+
+  // y[M, H] (bf16 bits) = sum_j weights[t, j] * FFN_{ids[t, j]}(x[t]); all pointers on the device,
+  // ids in [0, E), M = tokens in [1, max_tokens]. `stream` is a cudaStream_t (null: the default
+  // stream). The workspace is overwritten; calls sharing one workspace must be ordered on one
+  // stream. Bitwise deterministic for given inputs and path. A forced path that cannot run this
+  // shape (or, for kGemv beside the GEMM path, more than 256 tokens) throws kUnsupported.
+  void forward(const uint16_t* x, const int32_t* ids, const float* weights, int64_t tokens,
+               uint16_t* y, void* workspace, void* stream, ExpertPath path = ExpertPath::kAuto) const;
+
+  // The path forward(..., kAuto) takes for M tokens.
+  ExpertPath path_for(int64_t tokens) const;
+
+  const ExpertShape& shape() const { return shape_; }
+  int64_t max_tokens() const { return max_tokens_; }
+  size_t weight_bytes() const;  // bf16 experts: E * 3 * H * I * 2
+
+ private:
+  const void* gate_up_;
+  const void* down_;
+  ExpertShape shape_;
+  int64_t max_tokens_;
+  int device_;
+  bool sm90_ = false;  // the device runs the sm_90a wgmma path
+};
+
+// An owning convenience for tests and benchmarks: uploads host experts as bf16 and allocates its
+// own workspace.
 class DecodeExperts {
  public:
   // Converts the host experts to bf16 on `device` (once, at load). max_tokens bounds M.
-  // Throws kUnsupported for widths this path does not handle (hidden and inter must be multiples
-  // of 8 and at most 2048) or when no CUDA device exists.
   DecodeExperts(const ExpertWeights& host, int64_t max_tokens, int64_t top_k, int device = 0);
   ~DecodeExperts();
   DecodeExperts(const DecodeExperts&) = delete;
   DecodeExperts& operator=(const DecodeExperts&) = delete;
 
-  // y[M, H] (bf16 bits) = sum_j weights[t, j] * FFN_{ids[t, j]}(x[t]); all pointers on the device,
-  // ids in [0, E). `stream` is a cudaStream_t (null: the default stream).
   void forward(const uint16_t* x, const int32_t* ids, const float* weights, int64_t tokens,
-               uint16_t* y, void* stream) const;
+               uint16_t* y, void* stream, ExpertPath path = ExpertPath::kAuto) const;
 
-  size_t weight_bytes() const;     // bf16 experts on the device
-  size_t workspace_bytes() const;  // plan, activations and partial sums for max_tokens
+  const Experts& core() const;
+  size_t weight_bytes() const;
+  size_t workspace_bytes() const;
 
  private:
   struct State;

@@ -23,4 +23,10 @@ std::vector<GpuInfo> cuda_devices();
 // One line about the CUDA runtime state ("built without CUDA", "no CUDA device: ...", ...).
 std::string cuda_status();
 
+// Ceilings measured on `device` now, for floors printed beside measured times: device-to-device
+// copy bandwidth in bytes/s counting bytes read and written (1 GiB copied 10 times), and the
+// dense bf16 matmul rate in FLOP/s (cuBLASLt, 8192^3, f32 accumulation). 0 without CUDA.
+double measure_copy_bandwidth(int device = 0);
+double measure_bf16_matmul_rate(int device = 0);
+
 }  // namespace moe

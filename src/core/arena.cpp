@@ -1,5 +1,8 @@
 #include "core/arena.h"
 
+#include <sys/mman.h>
+
+#include <algorithm>
 #include <cstdlib>
 
 #include "moe/errors.h"
@@ -12,8 +15,34 @@ Arena::Arena(std::string name, size_t chunk_bytes, Device device)
             "arena '{}': only host arenas exist in this build", name_);
 }
 
+std::unique_ptr<Arena> Arena::address_space(std::string name, size_t bytes) {
+  std::unique_ptr<Arena> arena(new Arena(std::move(name), 1));
+  bytes = (std::max<size_t>(bytes, 1) + 4095) & ~size_t(4095);
+  // MAP_NORESERVE: no commit charge up front, so a 60 GB layout costs nothing until touched.
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
+  MOE_CHECK(p != MAP_FAILED, kInternal, "arena '{}': cannot reserve {} bytes of address space",
+            arena->name_, bytes);
+  arena->chunks_.push_back({static_cast<char*>(p), bytes, 0});
+  arena->mapped_ = true;
+  return arena;
+}
+
 Arena::~Arena() {
-  for (Chunk& c : chunks_) std::free(c.base);
+  for (Chunk& c : chunks_) {
+    if (mapped_)
+      munmap(c.base, c.size);
+    else
+      std::free(c.base);
+  }
+}
+
+size_t Arena::offset_of(const void* p) const {
+  MOE_CHECK(mapped_, kInternal, "arena '{}': offsets exist only in address-space arenas", name_);
+  const char* c = static_cast<const char*>(p);
+  MOE_CHECK(c >= chunks_[0].base && c < chunks_[0].base + chunks_[0].size, kInternal,
+            "arena '{}': pointer outside the arena", name_);
+  return static_cast<size_t>(c - chunks_[0].base);
 }
 
 void* Arena::allocate(size_t bytes, size_t align) {
@@ -28,6 +57,8 @@ void* Arena::allocate(size_t bytes, size_t align) {
       return c.base + start;
     }
   }
+  MOE_CHECK(!mapped_, kInternal, "arena '{}': {} bytes more do not fit in its {} reserved bytes",
+            name_, bytes, chunks_[0].size);
   size_t size = bytes + align > chunk_bytes_ ? bytes + align : chunk_bytes_;
   size = (size + 4095) & ~size_t(4095);
   void* p = std::aligned_alloc(4096, size);

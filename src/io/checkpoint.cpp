@@ -1,5 +1,6 @@
 #include "io/checkpoint.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -127,13 +128,14 @@ uint64_t splitmix(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
-void fill_random(const std::string& name, uint64_t seed, float* dst, size_t count) {
-  const bool is_norm = name.find("norm") != std::string::npos;
-  if (is_norm) {
-    for (size_t i = 0; i < count; ++i) dst[i] = 1.0f;
-    return;
-  }
-  uint64_t state = seed ^ std::hash<std::string>{}(name);
+bool is_norm(const std::string& name) { return name.find("norm") != std::string::npos; }
+
+uint64_t random_state(const std::string& name, uint64_t seed) {
+  return seed ^ std::hash<std::string>{}(name);
+}
+
+// Continues the stream in `state`; `count` is even except at the end of a tensor.
+void fill_random(uint64_t& state, float* dst, size_t count) {
   const float scale = 0.02f * 1.7320508f / 2147483648.0f;  // uniform(-a, a) has std a / sqrt(3)
   for (size_t i = 0; i < count; i += 2) {
     uint64_t r = splitmix(state);
@@ -141,6 +143,17 @@ void fill_random(const std::string& name, uint64_t seed, float* dst, size_t coun
     if (i + 1 < count) dst[i + 1] = static_cast<float>(static_cast<int32_t>(r >> 32)) * scale;
   }
 }
+
+void fill_random(const std::string& name, uint64_t seed, float* dst, size_t count) {
+  if (is_norm(name)) {
+    for (size_t i = 0; i < count; ++i) dst[i] = 1.0f;
+    return;
+  }
+  uint64_t state = random_state(name, seed);
+  fill_random(state, dst, count);
+}
+
+constexpr size_t kSinkChunk = size_t(1) << 22;  // floats converted at a time on the way to a sink
 }  // namespace
 
 void WeightLoader::take_into(const std::string& name, const std::vector<int64_t>& shape,
@@ -150,23 +163,48 @@ void WeightLoader::take_into(const std::string& name, const std::vector<int64_t>
     taken_.insert(name);
     return;
   }
-  if (!ckpt_) {
-    size_t count = 1;
-    for (int64_t d : shape) count *= static_cast<size_t>(d);
-    fill_random(name, seed_, dst, count);
-    taken_.insert(name);
-    bytes_loaded_ += count * 4;
-    return;
+  const TensorInfo* info = nullptr;
+  if (ckpt_) {
+    info = &ckpt_->info(name);
+    MOE_CHECK(info->shape == shape, kShape, "tensor '{}' has shape {} but the config implies {}",
+              name, shape_string(info->shape), shape_string(shape));
   }
-  const TensorInfo& info = ckpt_->info(name);
-  MOE_CHECK(info.shape == shape, kShape, "tensor '{}' has shape {} but the config implies {}", name,
-            shape_string(info.shape), shape_string(shape));
   size_t count = 1;
   for (int64_t d : shape) count *= static_cast<size_t>(d);
-  convert_to_f32(ckpt_->data(name), info.dtype, dst, count);
+  const bool host_copy = !sink_ || shape.size() <= 1;
+  if (host_copy) {
+    if (ckpt_)
+      convert_to_f32(ckpt_->data(name), info->dtype, dst, count);
+    else
+      fill_random(name, seed_, dst, count);
+    if (sink_) sink_->write(dst, dst, count);
+  } else if (ckpt_) {
+    // Through a bounded scratch buffer, so that the host never holds the whole f32 tensor.
+    std::vector<float> scratch(std::min(count, kSinkChunk));
+    const auto* src = static_cast<const uint8_t*>(ckpt_->data(name));
+    const size_t elem = dtype_size(info->dtype);
+    for (size_t at = 0; at < count; at += scratch.size()) {
+      const size_t n = std::min(scratch.size(), count - at);
+      convert_to_f32(src + at * elem, info->dtype, scratch.data(), n);
+      sink_->write(dst + at, scratch.data(), n);
+    }
+  } else {
+    uint64_t state = random_state(name, seed_);
+    if (is_norm(name) || !sink_->fill_random(dst, count, state)) {
+      std::vector<float> scratch(std::min(count, kSinkChunk));
+      for (size_t at = 0; at < count; at += scratch.size()) {
+        const size_t n = std::min(scratch.size(), count - at);
+        if (is_norm(name))
+          std::fill_n(scratch.data(), n, 1.0f);
+        else
+          fill_random(state, scratch.data(), n);
+        sink_->write(dst + at, scratch.data(), n);
+      }
+    }
+  }
   taken_.insert(name);
-  bytes_loaded_ += info.end - info.begin;
-  if (on_progress) on_progress(bytes_loaded_, ckpt_->total_bytes());
+  bytes_loaded_ += ckpt_ ? info->end - info->begin : count * 4;
+  if (ckpt_ && on_progress) on_progress(bytes_loaded_, ckpt_->total_bytes());
 }
 
 Tensor WeightLoader::take(const std::string& name, const std::vector<int64_t>& shape) {

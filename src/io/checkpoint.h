@@ -36,6 +36,23 @@ class Checkpoint {
   std::map<std::string, std::pair<const SafetensorsFile*, const TensorInfo*>> where_;
 };
 
+// Receives weights as the loader converts them. With a sink the host arena only lays tensors
+// out (an address-space arena): values of tensors of rank >= 2 go to the sink alone, tensors of
+// rank 1 (norms, biases) are written to the host as well, being small and needed there as f32.
+class WeightSink {
+ public:
+  virtual ~WeightSink() = default;
+  // values[0, count) belong at host address dst .. dst + count.
+  virtual void write(float* dst, const float* values, size_t count) = 0;
+  // Draws the random tensor at dst where the sink keeps it, with the loader's stream started
+  // from `state` (see WeightLoader: pair i of values comes from splitmix64 step i + 1).
+  // false: the sink cannot; the loader draws on the host and calls write().
+  virtual bool fill_random(float* dst, size_t count, uint64_t state) {
+    (void)dst, (void)count, (void)state;
+    return false;
+  }
+};
+
 // Hands out tensors from a checkpoint, converted to f32 into the weights arena; or, with no
 // checkpoint, random tensors (for benchmarks of real shapes without the real weights).
 class WeightLoader {
@@ -68,6 +85,8 @@ class WeightLoader {
   void finish();
 
   uint64_t bytes_loaded() const { return bytes_loaded_; }
+  // Route values through `sink` (see WeightSink); it must outlive the loading.
+  void set_sink(WeightSink* sink) { sink_ = sink; }
   // Called as bytes are converted (for progress on a terminal).
   std::function<void(uint64_t done, uint64_t total)> on_progress;
 
@@ -77,6 +96,7 @@ class WeightLoader {
   bool strict_;
   uint64_t seed_ = 0;
   bool recording_ = false;
+  WeightSink* sink_ = nullptr;
   std::vector<std::pair<std::string, std::vector<int64_t>>> order_;
   std::set<std::string> taken_;
   uint64_t bytes_loaded_ = 0;

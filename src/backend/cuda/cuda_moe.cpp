@@ -5,38 +5,192 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/moe_decode_launch.h"
+#include "backend/cuda/moe_heuristics.h"
+#include "backend/cuda/moe_wgmma_launch.h"
 
 namespace moe::cuda {
 
-using kernels::kDecodeMaxExperts;
-using kernels::kDecodeMaxWidth;
+namespace h = heuristics;
+
+namespace {
+
+constexpr size_t kAlign = 256;
+
+size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// The workspace, carved in one order by both workspace_bytes() and forward().
+struct Layout {
+  size_t offsets = 0, order = 0, active = 0, num_active = 0, tile_expert = 0, tile_row = 0,
+         num_tiles = 0, act = 0, part = 0, total = 0;
+};
+
+Layout layout(const ExpertShape& s, int64_t max_tokens) {
+  const bool gemv = h::gemv_supports(s.hidden, s.inter), gemm = h::gemm_supports(s.hidden, s.inter);
+  const size_t slots = static_cast<size_t>(max_tokens * s.top_k);
+  // Row tiles: the smallest tile gives the most.
+  const size_t tiles = gemm ? static_cast<size_t>(h::max_row_tiles(max_tokens * s.top_k, s.experts, 64)) : 0;
+  size_t part = 0;
+  if (gemm) part = slots * s.hidden * 2;
+  if (gemv) {
+    const int64_t gemv_tokens = gemm ? std::min(max_tokens, h::kGemvMaxTokensBesideGemm) : max_tokens;
+    part = std::max(part, static_cast<size_t>(gemv_tokens * s.top_k * s.hidden) * 4);
+  }
+  Layout l;
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    const size_t here = at;
+    at += align_up(std::max<size_t>(bytes, 1));
+    return here;
+  };
+  l.offsets = take((s.experts + 1) * 4);
+  l.order = take(slots * 4);
+  l.active = take(s.experts * 4);
+  l.num_active = take(4);
+  l.tile_expert = take(tiles * 4);
+  l.tile_row = take(tiles * 4);
+  l.num_tiles = take(4);
+  l.act = take(slots * s.inter * 2);
+  l.part = take(part);
+  l.total = at;
+  return l;
+}
+
+void check_shape(const ExpertShape& s, int64_t max_tokens) {
+  MOE_CHECK(s.experts >= 1 && s.hidden >= 1 && s.inter >= 1 && s.top_k >= 1 && s.top_k <= s.experts,
+            kInvalidArgument, "bad expert shape: {} experts, hidden {}, inter {}, top-{}", s.experts,
+            s.hidden, s.inter, s.top_k);
+  MOE_CHECK(max_tokens >= 1 && max_tokens <= h::kMaxTokens, kInvalidArgument,
+            "max_tokens must be 1 to {}, got {}", h::kMaxTokens, max_tokens);
+  MOE_CHECK(s.experts <= kernels::kMaxExperts, kUnsupported,
+            "the CUDA experts handle 1 to {} experts per device, got {}", kernels::kMaxExperts,
+            s.experts);
+  MOE_CHECK(experts_support(s, ExpertPath::kAuto), kUnsupported,
+            "the CUDA experts need hidden and intermediate widths that are multiples of 8 and at "
+            "most {} (GEMV path) or multiples of 64 and at most {} (GEMM path); got {} and {}",
+            h::kGemvMaxWidth, h::kGemmMaxWidth, s.hidden, s.inter);
+}
+
+const char* path_name(ExpertPath p) {
+  switch (p) {
+    case ExpertPath::kGemv: return "GEMV";
+    case ExpertPath::kGemm: return "GEMM";
+    case ExpertPath::kWgmma: return "wgmma";
+    default: return "automatic";
+  }
+}
+
+}  // namespace
+
+bool experts_support(const ExpertShape& s, ExpertPath path) {
+  const bool gemv = h::gemv_supports(s.hidden, s.inter), gemm = h::gemm_supports(s.hidden, s.inter);
+  switch (path) {
+    case ExpertPath::kGemv: return gemv;
+    case ExpertPath::kGemm: return gemm;
+    case ExpertPath::kWgmma: return h::wgmma_supports(s.hidden, s.inter);
+    default: return gemv || gemm;
+  }
+}
+
+Experts::Experts(const void* gate_up, const void* down, ExpertShape shape, int64_t max_tokens,
+                 int device)
+    : gate_up_(gate_up), down_(down), shape_(shape), max_tokens_(max_tokens), device_(device) {
+  check_shape(shape, max_tokens);
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+    cudaGetLastError();
+    MOE_THROW(kUnsupported, "no CUDA device {} (this machine has {})", device, count);
+  }
+  MOE_CHECK(gate_up != nullptr && down != nullptr, kInvalidArgument, "null expert weights");
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();
+    major = minor = 0;
+  }
+  sm90_ = major == 9 && minor == 0;
+}
+
+size_t Experts::workspace_bytes(const ExpertShape& shape, int64_t max_tokens) {
+  check_shape(shape, max_tokens);
+  return layout(shape, max_tokens).total;
+}
+
+size_t Experts::weight_bytes() const {
+  return static_cast<size_t>(shape_.experts) * 3 * shape_.hidden * shape_.inter * 2;
+}
+
+ExpertPath Experts::path_for(int64_t tokens) const {
+  const ExpertPath large = sm90_ && h::wgmma_supports(shape_.hidden, shape_.inter) ? ExpertPath::kWgmma
+                                                                                  : ExpertPath::kGemm;
+  if (!h::gemm_supports(shape_.hidden, shape_.inter)) return ExpertPath::kGemv;
+  if (!h::gemv_supports(shape_.hidden, shape_.inter)) return large;
+  return h::prefer_gemv(tokens, shape_.top_k, shape_.experts) ? ExpertPath::kGemv : large;
+}
+
+void Experts::forward(const uint16_t* x, const int32_t* ids, const float* weights, int64_t tokens,
+                      uint16_t* y, void* workspace, void* stream, ExpertPath path) const {
+  MOE_CHECK(tokens >= 1 && tokens <= max_tokens_, kInvalidArgument,
+            "{} tokens: this layer was set up for 1 to {}", tokens, max_tokens_);
+  MOE_CHECK(workspace != nullptr, kInvalidArgument, "null workspace");
+  if (path == ExpertPath::kAuto) path = path_for(tokens);
+  MOE_CHECK(experts_support(shape_, path), kUnsupported,
+            "the {} expert path cannot run hidden {} and intermediate {}", path_name(path),
+            shape_.hidden, shape_.inter);
+  MOE_CHECK(path != ExpertPath::kWgmma || sm90_, kUnsupported,
+            "the wgmma expert path needs a device of compute capability 9.0");
+  MOE_CHECK(path != ExpertPath::kGemv || !h::gemm_supports(shape_.hidden, shape_.inter) ||
+                tokens <= h::kGemvMaxTokensBesideGemm,
+            kUnsupported, "the GEMV expert path takes at most {} tokens here, got {}",
+            h::kGemvMaxTokensBesideGemm, tokens);
+  const Layout l = layout(shape_, max_tokens_);
+  auto* base = static_cast<unsigned char*>(workspace);
+  kernels::ExpertBuffers b{};
+  b.gate_up = gate_up_;
+  b.down = down_;
+  b.offsets = reinterpret_cast<int*>(base + l.offsets);
+  b.order = reinterpret_cast<int*>(base + l.order);
+  b.active = reinterpret_cast<int*>(base + l.active);
+  b.num_active = reinterpret_cast<int*>(base + l.num_active);
+  b.tile_expert = reinterpret_cast<int*>(base + l.tile_expert);
+  b.tile_row = reinterpret_cast<int*>(base + l.tile_row);
+  b.num_tiles = reinterpret_cast<int*>(base + l.num_tiles);
+  b.act = base + l.act;
+  b.part = base + l.part;
+  b.experts = static_cast<int>(shape_.experts);
+  b.hidden = static_cast<int>(shape_.hidden);
+  b.inter = static_cast<int>(shape_.inter);
+  b.top_k = static_cast<int>(shape_.top_k);
+  auto* st = static_cast<cudaStream_t>(stream);
+  const int m = static_cast<int>(tokens);
+  if (path == ExpertPath::kGemv) {
+    MOE_CUDA_CHECK(kernels::launch_decode(b, x, ids, weights, m, y, st));
+  } else {
+    const int tile_m = h::gemm_tile_m(tokens, shape_.top_k, shape_.experts);
+    if (path == ExpertPath::kWgmma)
+      MOE_CUDA_CHECK(kernels::launch_prefill_wgmma(b, x, ids, weights, m, tile_m, y, st));
+    else
+      MOE_CUDA_CHECK(kernels::launch_prefill(b, x, ids, weights, m, tile_m, y, st));
+  }
+}
 
 struct DecodeExperts::State {
-  int64_t max_tokens = 0;
-  kernels::DecodeBuffers buffers{};
   std::vector<void*> owned;
-  size_t workspace = 0;
+  std::unique_ptr<Experts> core;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 
-  template <typename T>
-  T* alloc(size_t count) {
+  void* alloc(size_t bytes) {
     void* p = nullptr;
-    MOE_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
+    MOE_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 1)));
     owned.push_back(p);
-    return static_cast<T*>(p);
+    return p;
   }
 };
 
 DecodeExperts::DecodeExperts(const ExpertWeights& host, int64_t max_tokens, int64_t top_k, int device)
     : s_(std::make_unique<State>()) {
-  MOE_CHECK(host.hidden % 8 == 0 && host.inter % 8 == 0 && host.hidden <= kDecodeMaxWidth &&
-                host.inter <= kDecodeMaxWidth,
-            kUnsupported,
-            "the CUDA decode experts need hidden and intermediate widths that are multiples of 8 "
-            "and at most {} (got {} and {})", kDecodeMaxWidth, host.hidden, host.inter);
-  MOE_CHECK(host.num_local >= 1 && host.num_local <= kDecodeMaxExperts, kUnsupported,
-            "the CUDA decode experts handle 1 to {} experts per device, got {}", kDecodeMaxExperts,
-            host.num_local);
-  MOE_CHECK(max_tokens >= 1 && top_k >= 1, kInvalidArgument, "max_tokens and top_k must be >= 1");
+  const ExpertShape shape{host.num_local, host.hidden, host.inter, top_k};
+  check_shape(shape, max_tokens);
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
     cudaGetLastError();
@@ -44,30 +198,24 @@ DecodeExperts::DecodeExperts(const ExpertWeights& host, int64_t max_tokens, int6
   }
   MOE_CUDA_CHECK(cudaSetDevice(device));
   State& s = *s_;
-  s.max_tokens = max_tokens;
-  auto upload = [&](const Tensor& t) {
-    std::vector<uint16_t> bits(static_cast<size_t>(t.numel()));
-    for (size_t i = 0; i < bits.size(); ++i) bits[i] = f32_to_bf16(t.data<float>()[i]);
-    uint16_t* d = s.alloc<uint16_t>(bits.size());
-    MOE_CUDA_CHECK(cudaMemcpy(d, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
-    return d;
-  };
-  kernels::DecodeBuffers& b = s.buffers;
-  b.experts = static_cast<int>(host.num_local);
-  b.hidden = static_cast<int>(host.hidden);
-  b.inter = static_cast<int>(host.inter);
-  b.top_k = static_cast<int>(top_k);
-  b.gate_up = upload(host.gate_up);
-  b.down = upload(host.down);
-  const size_t slots = static_cast<size_t>(max_tokens * top_k);
-  b.offsets = s.alloc<int>(static_cast<size_t>(b.experts) + 1);
-  b.order = s.alloc<int>(slots);
-  b.active = s.alloc<int>(static_cast<size_t>(b.experts));
-  b.num_active = s.alloc<int>(1);
-  b.act = s.alloc<uint16_t>(slots * static_cast<size_t>(b.inter));
-  b.part = s.alloc<float>(slots * static_cast<size_t>(b.hidden));
-  s.workspace = (2 * static_cast<size_t>(b.experts) + 2 + slots) * 4 + slots * b.inter * 2 +
-                slots * b.hidden * 4;
+  try {
+    auto upload = [&](const Tensor& t) {
+      std::vector<uint16_t> bits(static_cast<size_t>(t.numel()));
+      for (size_t i = 0; i < bits.size(); ++i) bits[i] = f32_to_bf16(t.data<float>()[i]);
+      void* d = s.alloc(bits.size() * 2);
+      MOE_CUDA_CHECK(cudaMemcpy(d, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
+      return d;
+    };
+    const void* gate_up = upload(host.gate_up);
+    const void* down = upload(host.down);
+    s.workspace_bytes = Experts::workspace_bytes(shape, max_tokens);
+    s.workspace = s.alloc(s.workspace_bytes);
+    s.core = std::make_unique<Experts>(gate_up, down, shape, max_tokens, device);
+  } catch (...) {
+    for (void* p : s.owned) cudaFree(p);
+    s.owned.clear();
+    throw;
+  }
 }
 
 DecodeExperts::~DecodeExperts() {
@@ -75,19 +223,13 @@ DecodeExperts::~DecodeExperts() {
     for (void* p : s_->owned) cudaFree(p);
 }
 
-size_t DecodeExperts::weight_bytes() const {
-  const auto& b = s_->buffers;
-  return static_cast<size_t>(b.experts) * 3 * b.hidden * b.inter * 2;
-}
-
-size_t DecodeExperts::workspace_bytes() const { return s_->workspace; }
-
 void DecodeExperts::forward(const uint16_t* x, const int32_t* ids, const float* weights,
-                            int64_t tokens, uint16_t* y, void* stream) const {
-  MOE_CHECK(tokens >= 1 && tokens <= s_->max_tokens, kInvalidArgument,
-            "{} tokens: this layer was set up for 1 to {}", tokens, s_->max_tokens);
-  MOE_CUDA_CHECK(kernels::launch_decode(s_->buffers, x, ids, weights, static_cast<int>(tokens), y,
-                                        static_cast<cudaStream_t>(stream)));
+                            int64_t tokens, uint16_t* y, void* stream, ExpertPath path) const {
+  s_->core->forward(x, ids, weights, tokens, y, s_->workspace, stream, path);
 }
+
+const Experts& DecodeExperts::core() const { return *s_->core; }
+size_t DecodeExperts::weight_bytes() const { return s_->core->weight_bytes(); }
+size_t DecodeExperts::workspace_bytes() const { return s_->workspace_bytes; }
 
 }  // namespace moe::cuda

@@ -1,28 +1,50 @@
-// The launch interface of the decode-path MoE kernels: plain pointers and sizes, no library
-// types, so the .cu file needs nothing but CUDA headers.
+// The launch interface of the routed-expert kernels (moe_decode.cu: plan, GEMV path, combine;
+// moe_prefill.cu: grouped GEMM path): plain pointers and sizes, no library types, so the .cu files
+// need nothing but CUDA headers.
 #pragma once
 
 #include <cuda_runtime.h>
 
 namespace moe::cuda::kernels {
 
-constexpr int kDecodeMaxExperts = 512;
-constexpr int kDecodeMaxWidth = 2048;  // hidden and intermediate: multiples of 8, at most this
+constexpr int kMaxExperts = 512;
 
-struct DecodeBuffers {
-  const void* gate_up;  // bf16 [experts, 2 * inter, hidden]
+// Device pointers, all carved by the caller from one workspace except the weights.
+struct ExpertBuffers {
+  const void* gate_up;  // bf16 [experts, 2 * inter, hidden]: gate rows, then up rows
   const void* down;     // bf16 [experts, hidden, inter]
-  int* offsets;         // [experts + 1]
-  int* order;           // [max slots]
-  int* active;          // [experts]
+  int* offsets;         // [experts + 1] start of each expert's rows in order
+  int* order;           // [max slots] routed slots (t * top_k + j) grouped by expert
+  int* active;          // [experts] touched experts, ascending (GEMV path)
   int* num_active;      // [1]
-  void* act;            // bf16 [max slots, inter]
-  float* part;          // [max slots, hidden]
+  int* tile_expert;     // [max row tiles] expert of each GEMM row tile
+  int* tile_row;        // [max row tiles] first position in order of each GEMM row tile
+  int* num_tiles;       // [1]
+  void* act;            // bf16 [max slots, inter]: SiLU(gate) * up, row p = position in order
+  void* part;           // [max slots, hidden] by slot: f32 (GEMV path) or bf16 (GEMM path)
   int experts, hidden, inter, top_k;
 };
 
-// Plan, gate_up, down, combine on `stream`; returns the launch status.
-cudaError_t launch_decode(const DecodeBuffers& buffers, const void* x, const int* ids,
+// Counts, offsets, the per-expert slot lists and, when tile_m > 0, the GEMM row tiles. One block;
+// the order inside an expert's list is not fixed, which changes no result: every row is computed
+// on its own and the combine sums by slot.
+cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int tile_m,
+                        cudaStream_t stream);
+
+// Plan, gate_up GEMV + SiLU, down GEMV, combine on `stream` (hidden, inter: multiples of 8, at
+// most 2048).
+cudaError_t launch_decode(const ExpertBuffers& b, const void* x, const int* ids,
                           const float* weights, int tokens, void* y, cudaStream_t stream);
+
+// Plan, grouped GEMM gate_up with SiLU * up in its epilogue, grouped GEMM down (bf16 partial sums
+// scaled by the routing weight), combine (hidden, inter: multiples of 64, at most 8192; tile_m 64
+// or 128). The grids are sized for the worst case of `tokens`, so the launch is graph-capturable.
+cudaError_t launch_prefill(const ExpertBuffers& b, const void* x, const int* ids,
+                           const float* weights, int tokens, int tile_m, void* y,
+                           cudaStream_t stream);
+
+// y[t, h] = sum over j < top_k of part[t * top_k + j, h], in j order (deterministic).
+cudaError_t launch_combine(const ExpertBuffers& b, int tokens, bool part_bf16, void* y,
+                           cudaStream_t stream);
 
 }  // namespace moe::cuda::kernels

@@ -1,0 +1,567 @@
+// Attention over a paged KV cache, bf16 in and out, f32 softmax and accumulation.
+//
+// Two kernels, each correct for every input (decode rows, prefill rows, mixed batches):
+// - row kernel: one block per (query row, group of query heads sharing a kv head, context
+//   split). The heads of a group read each key once; long contexts are cut into splits whose
+//   partial max / sum / output go to the workspace and are merged by a small reduce kernel
+//   (flash-decoding), so a batch of one still spreads over the whole GPU. Plain f32 FMAs.
+// - tiled kernel: one block per (64 rows of one sequence, one query head), key tiles of 64 with
+//   an online softmax on mma.sync m16n8k16 bf16 tensor cores (FlashAttention-2 layout).
+// Sequence lengths are read on the device; the host sizes only bound the grid.
+// Only CUDA headers here.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "backend/cuda/attention_launch.h"
+
+namespace moe::cuda::kernels {
+
+namespace {
+
+constexpr int kThreads = 128;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Split heuristics of the row kernel. A split covers at least kMinChunk positions (fewer would
+// spend more on the partial results than on the keys); splits are added until about
+// kTargetRowSplits (row, split) pairs exist, which with 4+ head groups per row is two waves on
+// 132 SMs; kMaxSplits bounds the workspace.
+constexpr int kMinChunk = 64;
+constexpr int kTargetRowSplits = 128;
+constexpr int kMaxSplits = 64;
+
+int choose_splits(int tokens, int max_context) {
+  if (tokens <= 0 || max_context <= 0) return 1;
+  int by_len = (max_context + kMinChunk - 1) / kMinChunk;
+  int by_fill = (kTargetRowSplits + tokens - 1) / tokens;
+  int s = by_len < by_fill ? by_len : by_fill;
+  s = s < kMaxSplits ? s : kMaxSplits;
+  return s < 1 ? 1 : s;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ void unpack8(uint4 u, float* f) {
+  const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 x = __bfloat1622float2(b[i]);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+
+// Element offset of cache position `pos` of sequence `seq`, kv head `kvh`, dim 0.
+__device__ __forceinline__ size_t cache_offset(const PagedAttentionParams& p, int seq, int pos,
+                                               int kvh, int block_shift) {
+  const int blk = p.block_tables[(size_t)seq * p.max_blocks_per_seq + (pos >> block_shift)];
+  const int row = pos & (p.block_size - 1);
+  return (((size_t)blk * p.block_size + row) * p.kv_heads + kvh) * p.head_dim;
+}
+
+// The sequence that owns row `row` (< seq_starts[num_seqs]): the last s with start <= row, which
+// skips sequences with no rows.
+__device__ __forceinline__ int find_seq(const int32_t* starts, int num_seqs, int row) {
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (starts[mid] <= row) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row kernel. L lanes hold one key (8 dims each, L = next power of two of head_dim / 8), so a
+// warp covers 32 / L keys at a time and the block 128 / L; HG query heads share every key load.
+// grid: x = row, y = head group, z = split.
+template <int L, int HG>
+__global__ void __launch_bounds__(kThreads) row_attention_kernel(const PagedAttentionParams p,
+                                                                 int splits, int chunk,
+                                                                 float* __restrict__ part_o,
+                                                                 float* __restrict__ part_ml) {
+  constexpr int NG = kThreads / L;  // key groups in the block
+  constexpr int KPG = (64 / NG) < 1 ? 1 : ((64 / NG) > 8 ? 8 : 64 / NG);  // keys per group per tile
+  constexpr int T = NG * KPG;                                              // keys per tile
+  constexpr int kWarps = kThreads / 32;
+  __shared__ float s_p[HG][T];
+  __shared__ float s_m[HG], s_l[HG], s_alpha[HG];
+  __shared__ float s_red[kWarps][HG][L * 8];
+
+  const int row = blockIdx.x, split = blockIdx.z;
+  if (row >= p.seq_starts[p.num_seqs]) return;
+  const int D = p.head_dim;
+  const int h0 = blockIdx.y * HG;
+  const int kvh = h0 / (p.q_heads / p.kv_heads);
+  const int seq = find_seq(p.seq_starts, p.num_seqs, row);
+  const int n = p.seq_starts[seq + 1] - p.seq_starts[seq];
+  const int visible = p.context_lens[seq] - n + (row - p.seq_starts[seq]) + 1;
+  const int begin = split * chunk;
+  // The last split runs to the row's end, so no key is lost even past max_context.
+  const int end = split == splits - 1 ? visible : min(visible, begin + chunk);
+  const size_t head_row = (size_t)row * p.q_heads + h0;  // first (row, head) of this block
+  if (splits > 1 && begin >= end) {  // empty split: the reduce skips it by its zero sum
+    if (threadIdx.x < HG) {
+      part_ml[((head_row + threadIdx.x) * splits + split) * 2] = -INFINITY;
+      part_ml[((head_row + threadIdx.x) * splits + split) * 2 + 1] = 0.f;
+    }
+    return;
+  }
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = tid / L, li = tid % L;
+  const int d0 = li * 8;
+  const bool active = d0 < D;
+  const int block_shift = __ffs(p.block_size) - 1;
+
+  float q[HG][8];
+#pragma unroll
+  for (int h = 0; h < HG; ++h) {
+    uint4 u = make_uint4(0, 0, 0, 0);
+    if (active) u = *reinterpret_cast<const uint4*>(p.q + (head_row + h) * D + d0);
+    unpack8(u, q[h]);
+  }
+  float acc[HG][8];
+#pragma unroll
+  for (int h = 0; h < HG; ++h)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[h][e] = 0.f;
+  if (tid < HG) {
+    s_m[tid] = -INFINITY;
+    s_l[tid] = 0.f;
+  }
+  const float scale = p.scale * kLog2e;  // scores in the log2 domain, exp2 below
+
+  for (int t0 = begin; t0 < end; t0 += T) {
+    uint4 kv[KPG];
+#pragma unroll
+    for (int k = 0; k < KPG; ++k) {
+      const int j = t0 + g + k * NG;
+      kv[k] = make_uint4(0, 0, 0, 0);
+      if (active && j < end)
+        kv[k] = __ldg(reinterpret_cast<const uint4*>(p.k_cache + cache_offset(p, seq, j, kvh, block_shift) + d0));
+    }
+#pragma unroll
+    for (int k = 0; k < KPG; ++k) {
+      float kf[8];
+      unpack8(kv[k], kf);
+      const int j = t0 + g + k * NG;
+#pragma unroll
+      for (int h = 0; h < HG; ++h) {
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s = fmaf(q[h][e], kf[e], s);
+#pragma unroll
+        for (int o = L / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (li == 0) s_p[h][g + k * NG] = j < end ? s * scale : -INFINITY;
+      }
+    }
+    __syncthreads();
+    for (int h = warp; h < HG; h += kWarps) {
+      float mx = -INFINITY;
+      for (int i = lane; i < T; i += 32) mx = fmaxf(mx, s_p[h][i]);
+      mx = warp_max(mx);
+      const float m_old = s_m[h];
+      const float m_new = fmaxf(m_old, mx);  // finite: key t0 < end is in this tile
+      float sum = 0.f;
+      for (int i = lane; i < T; i += 32) {
+        const float e = exp2f(s_p[h][i] - m_new);
+        s_p[h][i] = e;
+        sum += e;
+      }
+      sum = warp_sum(sum);
+      __syncwarp();
+      if (lane == 0) {
+        const float alpha = exp2f(m_old - m_new);
+        s_alpha[h] = alpha;
+        s_l[h] = s_l[h] * alpha + sum;
+        s_m[h] = m_new;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < KPG; ++k) {
+      const int j = t0 + g + k * NG;
+      kv[k] = make_uint4(0, 0, 0, 0);
+      if (active && j < end)
+        kv[k] = __ldg(reinterpret_cast<const uint4*>(p.v_cache + cache_offset(p, seq, j, kvh, block_shift) + d0));
+    }
+#pragma unroll
+    for (int h = 0; h < HG; ++h) {
+      const float a = s_alpha[h];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[h][e] *= a;
+    }
+#pragma unroll
+    for (int k = 0; k < KPG; ++k) {
+      float vf[8];
+      unpack8(kv[k], vf);
+#pragma unroll
+      for (int h = 0; h < HG; ++h) {
+        const float pw = s_p[h][g + k * NG];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[h][e] = fmaf(pw, vf[e], acc[h][e]);
+      }
+    }
+    __syncthreads();
+  }
+
+  // Sum the key groups: first those of one warp by shuffles, then the warps through shared memory.
+#pragma unroll
+  for (int h = 0; h < HG; ++h)
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+#pragma unroll
+      for (int o = L; o < 32; o <<= 1) acc[h][e] += __shfl_xor_sync(0xffffffffu, acc[h][e], o);
+  if (lane < L && active) {
+#pragma unroll
+    for (int h = 0; h < HG; ++h)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s_red[warp][h][d0 + e] = acc[h][e];
+  }
+  __syncthreads();
+  for (int i = tid; i < HG * D; i += kThreads) {
+    const int h = i / D, d = i % D;
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) o += s_red[w][h][d];
+    if (splits == 1) {
+      const float l = s_l[h];
+      p.out[(head_row + h) * D + d] = __bfloat16_as_ushort(__float2bfloat16(l > 0.f ? o / l : 0.f));
+    } else {
+      part_o[((head_row + h) * splits + split) * D + d] = o;
+    }
+  }
+  if (splits > 1 && tid < HG) {
+    part_ml[((head_row + tid) * splits + split) * 2] = s_m[tid];
+    part_ml[((head_row + tid) * splits + split) * 2 + 1] = s_l[tid];
+  }
+}
+
+// Merges the splits of one (row, head): weights exp2(m_i - max m) on sums and outputs.
+__global__ void split_reduce_kernel(const PagedAttentionParams p, int splits,
+                                    const float* __restrict__ part_o,
+                                    const float* __restrict__ part_ml) {
+  const int rh = blockIdx.x;  // row * q_heads + head
+  const int row = rh / p.q_heads;
+  if (row >= p.seq_starts[p.num_seqs]) return;
+  const float* ml = part_ml + (size_t)rh * splits * 2;
+  float mx = -INFINITY;
+  for (int i = 0; i < splits; ++i)
+    if (ml[2 * i + 1] > 0.f) mx = fmaxf(mx, ml[2 * i]);
+  float total = 0.f;
+  for (int i = 0; i < splits; ++i)
+    if (ml[2 * i + 1] > 0.f) total += ml[2 * i + 1] * exp2f(ml[2 * i] - mx);
+  const int D = p.head_dim;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float o = 0.f;
+    for (int i = 0; i < splits; ++i)
+      if (ml[2 * i + 1] > 0.f) o += exp2f(ml[2 * i] - mx) * part_o[((size_t)rh * splits + i) * D + d];
+    p.out[(size_t)rh * D + d] = __bfloat16_as_ushort(__float2bfloat16(total > 0.f ? o / total : 0.f));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tiled kernel (tensor cores). Warp w owns query rows 16w..16w+15 of the tile; its Q fragments
+// stay in registers, K and V tiles of 64 keys pass through shared memory (rows padded by 16 bytes
+// so ldmatrix hits distinct banks). S = Q K^T and O += P V on m16n8k16, P rounded to bf16 for the
+// second product (its f32 row sums are kept for the normalisation).
+constexpr int kTileQ = 64;
+constexpr int kTileK = 64;
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// grid: x = tile slot (counted from the back, so the longest causal tiles start first),
+// y = query head.
+template <int D>
+__global__ void __launch_bounds__(kThreads) tiled_attention_kernel(const PagedAttentionParams p) {
+  constexpr int kStride = D + 8;  // bf16 elements per shared row
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  __shared__ __align__(16) uint16_t s_k[kTileK * kStride];
+  __shared__ __align__(16) uint16_t s_v[kTileK * kStride];
+
+  // Find (sequence, tile): tiles are numbered sequence by sequence.
+  int tile = gridDim.x - 1 - blockIdx.x;
+  int seq = -1;
+  for (int s = 0; s < p.num_seqs; ++s) {
+    const int nt = (p.seq_starts[s + 1] - p.seq_starts[s] + kTileQ - 1) / kTileQ;
+    if (tile < nt) {
+      seq = s;
+      break;
+    }
+    tile -= nt;
+  }
+  if (seq < 0) return;
+  const int head = blockIdx.y;
+  const int kvh = head / (p.q_heads / p.kv_heads);
+  const int n = p.seq_starts[seq + 1] - p.seq_starts[seq];
+  const int row0 = p.seq_starts[seq] + tile * kTileQ;
+  const int rows = min(kTileQ, n - tile * kTileQ);
+  const int pos0 = p.context_lens[seq] - n + tile * kTileQ;  // position of the tile's row 0
+  const int kv_end = pos0 + rows;                             // keys this tile can see
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int gr = lane / 4, tq = lane % 4;
+  const int block_shift = __ffs(p.block_size) - 1;
+
+  // Q tile through s_k into registers.
+  for (int i = tid; i < kTileQ * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    uint4 u = make_uint4(0, 0, 0, 0);
+    if (r < rows) u = *reinterpret_cast<const uint4*>(p.q + ((size_t)(row0 + r) * p.q_heads + head) * D + c * 8);
+    *reinterpret_cast<uint4*>(s_k + r * kStride + c * 8) = u;
+  }
+  __syncthreads();
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    ldmatrix_x4(qf[kk], s_k + (warp * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
+  __syncthreads();
+
+  const int pos_a = pos0 + warp * 16 + gr, pos_b = pos_a + 8;  // this thread's two rows
+  const int warp_last = pos0 + warp * 16 + 15;
+  float o[D / 8][4];
+#pragma unroll
+  for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
+  const float scale = p.scale * kLog2e;
+
+  for (int kt = 0; kt < kv_end; kt += kTileK) {
+    for (int i = tid; i < kTileK * kChunks; i += kThreads) {
+      const int r = i / kChunks, c = i % kChunks;
+      const int j = kt + r;
+      uint4 ku = make_uint4(0, 0, 0, 0), vu = ku;
+      if (j < kv_end) {
+        const size_t off = cache_offset(p, seq, j, kvh, block_shift) + c * 8;
+        ku = __ldg(reinterpret_cast<const uint4*>(p.k_cache + off));
+        vu = __ldg(reinterpret_cast<const uint4*>(p.v_cache + off));
+      }
+      *reinterpret_cast<uint4*>(s_k + r * kStride + c * 8) = ku;
+      *reinterpret_cast<uint4*>(s_v + r * kStride + c * 8) = vu;
+    }
+    __syncthreads();
+    // Skipped by a warp whose rows all precede this key tile, or are all padding.
+    if (kt <= warp_last && warp * 16 < rows) {
+      float s[kTileK / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < kTileK / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int nt = 0; nt < kTileK / 8; nt += 2) {
+          uint32_t b[4];
+          const int m = lane / 8;
+          ldmatrix_x4(b, s_k + ((nt + (m >> 1)) * 8 + lane % 8) * kStride + kk * 16 + (m & 1) * 8);
+          mma_bf16(s[nt], qf[kk], b[0], b[1]);
+          mma_bf16(s[nt + 1], qf[kk], b[2], b[3]);
+        }
+      }
+      float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < kTileK / 8; ++nt) {
+        const int j = kt + nt * 8 + 2 * tq;
+        s[nt][0] = j <= pos_a ? s[nt][0] * scale : -INFINITY;
+        s[nt][1] = j + 1 <= pos_a ? s[nt][1] * scale : -INFINITY;
+        s[nt][2] = j <= pos_b ? s[nt][2] * scale : -INFINITY;
+        s[nt][3] = j + 1 <= pos_b ? s[nt][3] * scale : -INFINITY;
+        mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+        mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
+      }
+#pragma unroll
+      for (int off = 1; off < 4; off <<= 1) {
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
+      }
+      const float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
+      // A row with no visible key yet keeps -inf; subtracting 0 then gives exp2(-inf) = 0.
+      const float use_a = new_a == -INFINITY ? 0.f : new_a;
+      const float use_b = new_b == -INFINITY ? 0.f : new_b;
+      const float alpha_a = exp2f(m_a - use_a), alpha_b = exp2f(m_b - use_b);
+      m_a = new_a;
+      m_b = new_b;
+      float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kTileK / 8; ++nt) {
+        s[nt][0] = exp2f(s[nt][0] - use_a);
+        s[nt][1] = exp2f(s[nt][1] - use_a);
+        s[nt][2] = exp2f(s[nt][2] - use_b);
+        s[nt][3] = exp2f(s[nt][3] - use_b);
+        sum_a += s[nt][0] + s[nt][1];
+        sum_b += s[nt][2] + s[nt][3];
+      }
+      l_a = l_a * alpha_a + sum_a;  // per-thread partial; the quad is summed at the end
+      l_b = l_b * alpha_b + sum_b;
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd) {
+        o[nd][0] *= alpha_a;
+        o[nd][1] *= alpha_a;
+        o[nd][2] *= alpha_b;
+        o[nd][3] *= alpha_b;
+      }
+#pragma unroll
+      for (int kk = 0; kk < kTileK / 16; ++kk) {
+        uint32_t a[4];
+        a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int nd = 0; nd < D / 8; nd += 2) {
+          uint32_t b[4];
+          const int m = lane / 8;
+          ldmatrix_x4_trans(b, s_v + (kk * 16 + (m & 1) * 8 + lane % 8) * kStride + (nd + (m >> 1)) * 8);
+          mma_bf16(o[nd], a, b[0], b[1]);
+          mma_bf16(o[nd + 1], a, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
+  }
+  const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+  const int ra = warp * 16 + gr, rb = ra + 8;
+#pragma unroll
+  for (int nd = 0; nd < D / 8; ++nd) {
+    const int d = nd * 8 + 2 * tq;
+    if (ra < rows)
+      *reinterpret_cast<uint32_t*>(p.out + ((size_t)(row0 + ra) * p.q_heads + head) * D + d) =
+          pack_bf16(o[nd][0] * inv_a, o[nd][1] * inv_a);
+    if (rb < rows)
+      *reinterpret_cast<uint32_t*>(p.out + ((size_t)(row0 + rb) * p.q_heads + head) * D + d) =
+          pack_bf16(o[nd][2] * inv_b, o[nd][3] * inv_b);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+template <int L, int HG>
+void launch_row(const PagedAttentionParams& p, int splits, int chunk, float* part_o,
+                float* part_ml, cudaStream_t stream) {
+  const dim3 grid(p.tokens, p.q_heads / HG, splits);
+  row_attention_kernel<L, HG><<<grid, kThreads, 0, stream>>>(p, splits, chunk, part_o, part_ml);
+}
+
+template <int L>
+void launch_row_group(const PagedAttentionParams& p, int hg, int splits, int chunk, float* part_o,
+                      float* part_ml, cudaStream_t stream) {
+  switch (hg) {
+    case 8: launch_row<L, 8>(p, splits, chunk, part_o, part_ml, stream); break;
+    case 4: launch_row<L, 4>(p, splits, chunk, part_o, part_ml, stream); break;
+    case 2: launch_row<L, 2>(p, splits, chunk, part_o, part_ml, stream); break;
+    default: launch_row<L, 1>(p, splits, chunk, part_o, part_ml, stream); break;
+  }
+}
+
+cudaError_t run_row(const PagedAttentionParams& p, cudaStream_t stream) {
+  const int splits = choose_splits(p.tokens, p.max_context);
+  int chunk = (p.max_context + splits - 1) / splits;
+  chunk = chunk < 64 ? 64 : (chunk + 63) / 64 * 64;  // whole tiles of keys per split
+  const int splits_used = (p.max_context + chunk - 1) / chunk;  // <= splits: the workspace fits
+  float* part_o = nullptr;
+  float* part_ml = nullptr;
+  if (splits_used > 1) {
+    if (p.workspace == nullptr) return cudaErrorInvalidValue;
+    part_o = static_cast<float*>(p.workspace);
+    part_ml = part_o + (size_t)p.tokens * p.q_heads * splits_used * p.head_dim;
+  }
+  // Heads of one kv group per block: the largest power of two, at most 8, dividing the group.
+  const int group = p.q_heads / p.kv_heads;
+  const int hg = group % 8 == 0 ? 8 : group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
+  int lanes = 1;
+  while (lanes * 8 < p.head_dim) lanes *= 2;
+  switch (lanes) {
+    case 1: launch_row_group<1>(p, hg, splits_used, chunk, part_o, part_ml, stream); break;
+    case 2: launch_row_group<2>(p, hg, splits_used, chunk, part_o, part_ml, stream); break;
+    case 4: launch_row_group<4>(p, hg, splits_used, chunk, part_o, part_ml, stream); break;
+    case 8: launch_row_group<8>(p, hg, splits_used, chunk, part_o, part_ml, stream); break;
+    case 16: launch_row_group<16>(p, hg, splits_used, chunk, part_o, part_ml, stream); break;
+    default: launch_row_group<32>(p, hg, splits_used, chunk, part_o, part_ml, stream); break;
+  }
+  if (splits_used > 1) {
+    const int threads = p.head_dim <= 128 ? 128 : 256;
+    split_reduce_kernel<<<p.tokens * p.q_heads, threads, 0, stream>>>(p, splits_used, part_o, part_ml);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t run_tiled(const PagedAttentionParams& p, cudaStream_t stream) {
+  // Each sequence leaves at most one partly filled tile.
+  const dim3 grid((p.tokens + kTileQ - 1) / kTileQ + p.num_seqs, p.q_heads);
+  switch (p.head_dim) {
+    case 32: tiled_attention_kernel<32><<<grid, kThreads, 0, stream>>>(p); break;
+    case 64: tiled_attention_kernel<64><<<grid, kThreads, 0, stream>>>(p); break;
+    case 128: tiled_attention_kernel<128><<<grid, kThreads, 0, stream>>>(p); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+size_t paged_attention_workspace_bytes(int tokens, int q_heads, int head_dim, int max_context) {
+  const int splits = choose_splits(tokens, max_context);
+  if (splits <= 1) return 0;
+  return (size_t)tokens * q_heads * splits * (head_dim + 2) * sizeof(float);
+}
+
+bool paged_attention_has_tiled(int head_dim) {
+  return head_dim == 32 || head_dim == 64 || head_dim == 128;
+}
+
+cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream) {
+  const bool pow2_block = (p.block_size & (p.block_size - 1)) == 0;
+  if (p.num_seqs <= 0 || p.tokens < 0 || p.q_heads <= 0 || p.kv_heads <= 0 ||
+      p.q_heads % p.kv_heads != 0 || p.head_dim <= 0 || p.head_dim % 8 != 0 ||
+      p.head_dim > kAttentionMaxHeadDim || !pow2_block || p.block_size < kAttentionMinBlockSize ||
+      p.block_size > kAttentionMaxBlockSize || p.max_blocks_per_seq <= 0 || p.max_context < 0)
+    return cudaErrorInvalidValue;
+  if (p.tokens == 0) return cudaSuccess;
+  AttentionPath path = p.path;
+  if (path == AttentionPath::kAuto) {
+    // Rows per sequence on average: decode has one, prefill hundreds. Below 16 most 64-row tiles
+    // would be padding.
+    const bool many_rows = p.tokens >= 16 * p.num_seqs;
+    path = many_rows && paged_attention_has_tiled(p.head_dim) ? AttentionPath::kTiled : AttentionPath::kRow;
+  }
+  return path == AttentionPath::kTiled ? run_tiled(p, stream) : run_row(p, stream);
+}
+
+}  // namespace moe::cuda::kernels

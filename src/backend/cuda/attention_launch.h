@@ -1,0 +1,64 @@
+// The launch interface of attention over a paged KV cache (GQA; prefill, decode and mixed
+// batches in one call): plain pointers and sizes, no library types, so the .cu file needs nothing
+// but CUDA headers.
+//
+// Cache layout of one layer: K and V pools, bf16 [num_blocks, block_size, kv_heads, head_dim];
+// position p of sequence s lives in block block_tables[s * max_blocks_per_seq + p / block_size],
+// row p % block_size. The new keys and values of this step are already in the cache.
+//
+// Row i of sequence s (n_s = seq_starts[s + 1] - seq_starts[s] rows) sits at position
+// context_lens[s] - n_s + i and attends to cache positions 0..that position. Query head h reads
+// kv head h / (q_heads / kv_heads). Softmax and accumulation in f32, output rounded to bf16.
+// seq_starts and context_lens are read on the device, so they may change between replays of a
+// captured graph while the host fields stay fixed. Rows at or past seq_starts[num_seqs] are left
+// as they are; a row whose position is negative (context_lens[s] < n_s) gets zeros.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace moe::cuda::kernels {
+
+// Which kernel serves the call. kAuto picks by the host sizes: the tiled tensor-core kernel when
+// sequences average many rows (prefill) and the head dim has an instantiation, otherwise the row
+// kernel. Both are correct for every input; the tests run each on every case.
+enum class AttentionPath : int {
+  kAuto = 0,
+  kRow = 1,    // one block per (row, group of query heads, context split): decode, and the reference
+  kTiled = 2,  // 64 rows of one head per block, mma.sync bf16: prefill
+};
+
+struct PagedAttentionParams {
+  const uint16_t* q = nullptr;        // bf16 [tokens, q_heads, head_dim], rows of all sequences back to back
+  const uint16_t* k_cache = nullptr;  // bf16 [num_blocks, block_size, kv_heads, head_dim]
+  const uint16_t* v_cache = nullptr;
+  const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq]
+  const int32_t* seq_starts = nullptr;    // [num_seqs + 1]: rows of sequence s are [seq_starts[s], seq_starts[s+1])
+  const int32_t* context_lens = nullptr;  // [num_seqs]: tokens in the cache after this step, new ones included
+  int num_seqs = 0, tokens = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
+  int block_size = 16, max_blocks_per_seq = 0;
+  int max_context = 0;    // host upper bound of context_lens, sizes the grid (blocks beyond a sequence's real length exit early)
+  float scale = 1.0f;     // softmax scale (1/sqrt(head_dim) for these models)
+  uint16_t* out = nullptr;  // bf16 [tokens, q_heads, head_dim]
+  void* workspace = nullptr;  // scratch for split-context partial results, see below
+  AttentionPath path = AttentionPath::kAuto;
+};
+
+// Limits checked by paged_attention (cudaErrorInvalidValue otherwise).
+constexpr int kAttentionMaxHeadDim = 256;  // and a multiple of 8
+constexpr int kAttentionMinBlockSize = 8;  // block_size: a power of two in [8, 64]
+constexpr int kAttentionMaxBlockSize = 64;
+
+// Bytes of workspace paged_attention needs for these sizes (0 allowed when no split is used).
+// The split count depends on tokens and max_context only, so a buffer sized here for the worst
+// case of a captured graph serves every replay.
+size_t paged_attention_workspace_bytes(int tokens, int q_heads, int head_dim, int max_context);
+
+// Whether the tiled (tensor-core) kernel has an instantiation for this head dim.
+bool paged_attention_has_tiled(int head_dim);
+
+cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream);
+
+}  // namespace moe::cuda::kernels

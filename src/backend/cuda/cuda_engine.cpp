@@ -1,0 +1,723 @@
+#include "backend/cuda_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "backend/cuda/attention_launch.h"
+#include "backend/cuda/blas.h"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device_model.h"
+#include "backend/cuda/ops_launch.h"
+#include "moe/errors.h"
+
+namespace moe::cuda {
+namespace {
+
+// Per-step inputs, laid out once for the largest step; the host fills a pinned copy and sends
+// it with one copy before each step (outside any graph, so graphs read fixed addresses).
+struct StepMeta {
+  int32_t *ids, *positions, *slots, *seq_starts, *context_lens, *block_tables;
+  float *temperature, *top_p;
+  int32_t *top_k, *step;
+  uint64_t* seed;
+};
+
+template <typename A>
+StepMeta carve_meta(A& a, int64_t tokens, int64_t seqs, int64_t max_blocks) {
+  StepMeta m{};
+  m.ids = a.template take_n<int32_t>(static_cast<size_t>(tokens));
+  m.positions = a.template take_n<int32_t>(static_cast<size_t>(tokens));
+  m.slots = a.template take_n<int32_t>(static_cast<size_t>(tokens));
+  m.seq_starts = a.template take_n<int32_t>(static_cast<size_t>(seqs + 1));
+  m.context_lens = a.template take_n<int32_t>(static_cast<size_t>(seqs));
+  m.block_tables = a.template take_n<int32_t>(static_cast<size_t>(seqs * max_blocks));
+  m.temperature = a.template take_n<float>(static_cast<size_t>(seqs));
+  m.top_p = a.template take_n<float>(static_cast<size_t>(seqs));
+  m.top_k = a.template take_n<int32_t>(static_cast<size_t>(seqs));
+  m.step = a.template take_n<int32_t>(static_cast<size_t>(seqs));
+  m.seed = a.template take_n<uint64_t>(static_cast<size_t>(seqs));
+  return m;
+}
+
+// Activations and scratch of one step of up to `tokens` rows.
+struct Workspace {
+  float* x;              // residual stream [T, H]
+  uint16_t* h;           // normalised [T, H]
+  float* qkv;            // [T, (heads + 2 kv_heads) * head_dim]
+  uint16_t *q, *attn;    // [T, heads * head_dim]
+  uint16_t *branch, *branch2;  // [T, H]: attention / MLP / routed experts; shared expert
+  float* router_logits;  // [T, E]
+  int32_t* topk_ids;
+  float* topk_weights;
+  uint16_t *ffn_gate_up, *ffn_act;
+  float* shared_gate;    // [T]
+  void* experts;
+  void* attention;
+  uint16_t* normed;      // [logit rows, H]
+  float* logits;         // [logit rows, vocab]
+  int32_t* sampled;      // [logit rows]
+};
+
+struct Shapes {
+  int64_t tokens, logit_rows, experts_ws, attention_ws;
+};
+
+template <typename A>
+Workspace carve_workspace(A& a, const ModelConfig& c, const Shapes& s) {
+  const size_t t = static_cast<size_t>(s.tokens), hidden = static_cast<size_t>(c.hidden_size);
+  const size_t qw = static_cast<size_t>(c.num_heads * c.head_dim);
+  const size_t qkvw = static_cast<size_t>((c.num_heads + 2 * c.num_kv_heads) * c.head_dim);
+  const size_t inter = static_cast<size_t>(std::max(c.intermediate_size, c.moe.shared_intermediate));
+  const size_t experts = static_cast<size_t>(std::max<int64_t>(c.moe.num_experts, 1));
+  const size_t k = static_cast<size_t>(std::max<int64_t>(c.moe.top_k, 1));
+  const size_t rows = static_cast<size_t>(s.logit_rows);
+  Workspace w{};
+  w.x = a.template take_n<float>(t * hidden);
+  w.h = a.template take_n<uint16_t>(t * hidden);
+  w.qkv = a.template take_n<float>(t * qkvw);
+  w.q = a.template take_n<uint16_t>(t * qw);
+  w.attn = a.template take_n<uint16_t>(t * qw);
+  w.branch = a.template take_n<uint16_t>(t * hidden);
+  w.branch2 = a.template take_n<uint16_t>(t * hidden);
+  w.router_logits = a.template take_n<float>(t * experts);
+  w.topk_ids = a.template take_n<int32_t>(t * k);
+  w.topk_weights = a.template take_n<float>(t * k);
+  w.ffn_gate_up = a.template take_n<uint16_t>(t * 2 * inter);
+  w.ffn_act = a.template take_n<uint16_t>(t * inter);
+  w.shared_gate = a.template take_n<float>(t);
+  w.experts = a.template take(static_cast<size_t>(s.experts_ws));
+  w.attention = a.template take(static_cast<size_t>(s.attention_ws));
+  w.normed = a.template take_n<uint16_t>(rows * hidden);
+  w.logits = a.template take_n<float>(rows * static_cast<size_t>(c.vocab_size));
+  w.sampled = a.template take_n<int32_t>(rows);
+  return w;
+}
+
+struct Sequence {
+  bool open = false;
+  int64_t length = 0;
+  int64_t draws = 0;  // tokens sampled so far: the RNG step of the next draw
+  std::vector<int32_t> blocks;
+};
+
+struct DecodeGraph {
+  int bucket = 0;
+  cudaGraphExec_t exec = nullptr;
+  float* logits = nullptr;   // [bucket, vocab], owned by this graph
+  int32_t* sampled = nullptr;
+};
+
+}  // namespace
+
+struct Engine::State {
+  ModelConfig config;
+  EngineOptions opts;
+  std::unique_ptr<DeviceModel> model;
+  std::unique_ptr<Blas> blas;
+  cudaStream_t stream = nullptr;
+  DeviceArena workspace_arena, kv_arena, meta_arena, graph_arena;
+  Workspace ws{};
+  StepMeta meta{};
+  char* meta_host = nullptr;  // pinned mirror of meta_arena
+  int64_t max_tokens = 0, max_blocks = 0, logit_rows = 0;
+  int64_t kv_blocks = 0;
+  std::vector<uint16_t*> k_cache, v_cache;
+  std::vector<int32_t> free_blocks;
+  std::vector<Sequence> seqs;
+  std::vector<DecodeGraph> graphs;
+  std::vector<int> buckets;
+  // Profiling: events recorded between operations while `profiling` (never inside a capture).
+  bool profiling = false;
+  int32_t* routed_log = nullptr;  // [layers, max_batch, top_k] while profiling: each layer's choice
+  std::vector<cudaEvent_t> marks;
+  std::vector<const char*> mark_names;
+
+  ~State() {
+    for (cudaEvent_t e : marks) cudaEventDestroy(e);
+    if (routed_log) cudaFree(routed_log);
+    for (DecodeGraph& g : graphs)
+      if (g.exec) cudaGraphExecDestroy(g.exec);
+    if (meta_host) cudaFreeHost(meta_host);
+    if (stream) cudaStreamDestroy(stream);
+  }
+
+  void mark(const char* name) {
+    if (!profiling) return;
+    const size_t i = mark_names.size();
+    if (i == marks.size()) {
+      cudaEvent_t e = nullptr;
+      MOE_CUDA_CHECK(cudaEventCreate(&e));
+      marks.push_back(e);
+    }
+    // External: recorded as a node of the graph being captured, so it keeps a timestamp.
+    MOE_CUDA_CHECK(cudaEventRecordWithFlags(marks[i], stream, cudaEventRecordExternal));
+    mark_names.push_back(name);
+  }
+
+  // Host address of a device meta pointer.
+  template <typename T>
+  T* host(T* device) {
+    return reinterpret_cast<T*>(meta_host + (reinterpret_cast<char*>(device) -
+                                             static_cast<char*>(meta_arena.base())));
+  }
+  void upload_meta() {
+    MOE_CUDA_CHECK(cudaMemcpyAsync(meta_arena.base(), meta_host, meta_arena.used(),
+                                   cudaMemcpyHostToDevice, stream));
+  }
+
+  int32_t slot_of(const Sequence& s, int64_t position) const {
+    return s.blocks[static_cast<size_t>(position / opts.block_size)] * opts.block_size +
+           static_cast<int32_t>(position % opts.block_size);
+  }
+  int64_t blocks_needed(const Sequence& s, int64_t new_length) const {
+    const int64_t want = (new_length + opts.block_size - 1) / opts.block_size;
+    return std::max<int64_t>(0, want - static_cast<int64_t>(s.blocks.size()));
+  }
+  void grow(Sequence& s, int64_t new_length) {
+    for (int64_t n = blocks_needed(s, new_length); n > 0; --n) {
+      s.blocks.push_back(free_blocks.back());
+      free_blocks.pop_back();
+    }
+  }
+  void write_table(int row, const Sequence* s) {
+    int32_t* table = host(meta.block_tables) + static_cast<int64_t>(row) * max_blocks;
+    std::fill_n(table, max_blocks, 0);  // block 0 is the scratch block of padding rows
+    if (s) std::copy(s->blocks.begin(), s->blocks.end(), table);
+  }
+  void write_sampling(int row, const SamplingParams& p, const Sequence* s) {
+    host(meta.temperature)[row] = p.temperature;
+    host(meta.top_k)[row] = p.top_k;
+    host(meta.top_p)[row] = p.top_p;
+    host(meta.seed)[row] = p.seed;
+    host(meta.step)[row] = s ? static_cast<int32_t>(s->draws) : 0;
+  }
+
+  void attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max_context) {
+    const ModelConfig& c = config;
+    const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
+    const int64_t hd = c.head_dim, qw = c.num_heads * hd, kw = c.num_kv_heads * hd;
+    const int64_t qkvw = qw + 2 * kw;
+    if (L.qkv_fused) {
+      blas->linear(ws.h, L.q, ws.qkv, OutType::kF32, tokens, qkvw, c.hidden_size, stream);
+    } else {
+      blas->linear(ws.h, L.q, ws.qkv, OutType::kF32, tokens, qw, c.hidden_size, stream, qkvw);
+      blas->linear(ws.h, L.k, ws.qkv + qw, OutType::kF32, tokens, kw, c.hidden_size, stream, qkvw);
+      blas->linear(ws.h, L.v, ws.qkv + qw + kw, OutType::kF32, tokens, kw, c.hidden_size, stream, qkvw);
+    }
+    mark("qkv projection");
+    kernels::QkvParams p;
+    p.tokens = static_cast<int>(tokens);
+    p.q_heads = static_cast<int>(c.num_heads);
+    p.kv_heads = static_cast<int>(c.num_kv_heads);
+    p.head_dim = static_cast<int>(hd);
+    p.bias = L.qkv_bias;
+    p.qk_norm = c.qk_norm == QkNorm::kNone ? 0 : c.qk_norm == QkNorm::kPerHead ? 1 : 2;
+    p.q_norm = L.q_norm;
+    p.k_norm = L.k_norm;
+    p.eps = c.rms_norm_eps;
+    p.clip = c.clip_qkv;
+    p.rope_half = c.rope_style == RopeStyle::kHalf ? 1 : 0;
+    p.rot_dim = static_cast<int>(hd);
+    p.inv_freq = model->inv_freq;
+    p.positions = meta.positions;
+    p.slots = meta.slots;
+    p.k_cache = k_cache[static_cast<size_t>(l)];
+    p.v_cache = v_cache[static_cast<size_t>(l)];
+    p.q_out = ws.q;
+    MOE_CUDA_CHECK(kernels::prepare_qkv(ws.qkv, p, stream));
+    mark("qk norm, rope, KV write");
+    kernels::PagedAttentionParams a;
+    a.q = ws.q;
+    a.k_cache = p.k_cache;
+    a.v_cache = p.v_cache;
+    a.block_tables = meta.block_tables;
+    a.seq_starts = meta.seq_starts;
+    a.context_lens = meta.context_lens;
+    a.num_seqs = static_cast<int>(seqs);
+    a.tokens = static_cast<int>(tokens);
+    a.q_heads = p.q_heads;
+    a.kv_heads = p.kv_heads;
+    a.head_dim = p.head_dim;
+    a.block_size = opts.block_size;
+    a.max_blocks_per_seq = static_cast<int>(max_blocks);
+    a.max_context = static_cast<int>(max_context);
+    a.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    a.out = ws.attn;
+    a.workspace = ws.attention;
+    MOE_CUDA_CHECK(kernels::paged_attention(a, stream));
+    mark("attention");
+    blas->linear(ws.attn, L.o, ws.branch, OutType::kBf16, tokens, c.hidden_size, qw, stream);
+    mark("o projection");
+  }
+
+  // Writes the layer's feed-forward output to ws.branch (and ws.branch2); returns whether
+  // branch2 holds a shared expert's output.
+  bool feed_forward(int64_t l, int64_t tokens) {
+    const ModelConfig& c = config;
+    const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
+    const int64_t hidden = c.hidden_size;
+    const int t = static_cast<int>(tokens);
+    if (!L.sparse) {
+      const int64_t inter = c.intermediate_size;
+      blas->linear(ws.h, L.mlp_gate_up, ws.ffn_gate_up, OutType::kBf16, tokens, 2 * inter, hidden, stream);
+      MOE_CUDA_CHECK(kernels::silu_mul(ws.ffn_gate_up, t, static_cast<int>(inter), ws.ffn_act, stream));
+      blas->linear(ws.ffn_act, L.mlp_down, ws.branch, OutType::kBf16, tokens, hidden, inter, stream);
+      mark("dense MLP");
+      return false;
+    }
+    const RouterConfig& rc = c.moe.router;
+    blas->linear(ws.h, L.router, ws.router_logits, OutType::kF32, tokens, rc.num_experts, hidden, stream);
+    mark("router projection");
+    kernels::RouterParams rp;
+    rp.experts = static_cast<int>(rc.num_experts);
+    rp.top_k = static_cast<int>(rc.top_k);
+    rp.sigmoid = rc.scoring == RouterScoring::kSigmoid ? 1 : 0;
+    rp.group_ranking = rc.groups == GroupRanking::kNone ? 0 : rc.groups == GroupRanking::kMax ? 1 : 2;
+    rp.n_group = static_cast<int>(rc.n_group);
+    rp.topk_group = static_cast<int>(rc.topk_group);
+    rp.bias = rc.correction_bias ? L.router_bias : nullptr;
+    rp.renormalize = rc.renormalize ? 1 : 0;
+    rp.scaling = rc.scaling;
+    MOE_CUDA_CHECK(kernels::route(ws.router_logits, rp, t, ws.topk_ids, ws.topk_weights, stream));
+    mark("route (top-k)");
+    if (profiling && routed_log)
+      MOE_CUDA_CHECK(cudaMemcpyAsync(routed_log + l * opts.max_batch * rc.top_k, ws.topk_ids,
+                                     static_cast<size_t>(tokens * rc.top_k) * 4, cudaMemcpyDeviceToDevice, stream));
+    L.experts->forward(ws.h, ws.topk_ids, ws.topk_weights, tokens, ws.branch, ws.experts, stream);
+    mark("routed experts");
+    if (!L.shared_gate_up) return false;
+    const int64_t inter = c.moe.shared_intermediate;
+    blas->linear(ws.h, L.shared_gate_up, ws.ffn_gate_up, OutType::kBf16, tokens, 2 * inter, hidden, stream);
+    MOE_CUDA_CHECK(kernels::silu_mul(ws.ffn_gate_up, t, static_cast<int>(inter), ws.ffn_act, stream));
+    blas->linear(ws.ffn_act, L.shared_down, ws.branch2, OutType::kBf16, tokens, hidden, inter, stream);
+    if (L.shared_gate) {
+      blas->linear(ws.h, L.shared_gate, ws.shared_gate, OutType::kF32, tokens, 1, hidden, stream);
+      MOE_CUDA_CHECK(kernels::sigmoid_scale_rows(ws.branch2, ws.shared_gate, t, static_cast<int>(hidden), stream));
+    }
+    mark("shared expert");
+    return true;
+  }
+
+  // Every layer for `tokens` rows of `seqs` sequences whose metadata is on the device; leaves
+  // the final residual stream in ws.x.
+  void run_layers(int64_t tokens, int64_t seqs, int64_t max_context) {
+    const ModelConfig& c = config;
+    const int t = static_cast<int>(tokens), hidden = static_cast<int>(c.hidden_size);
+    mark("start");
+    MOE_CUDA_CHECK(kernels::embed(model->embed, meta.ids, t, hidden, static_cast<int>(c.vocab_size), ws.x, stream));
+    mark("embedding");
+    bool has_branch = false, has_branch2 = false;
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
+      MOE_CUDA_CHECK(kernels::add_rms_norm(ws.x, has_branch ? ws.branch : nullptr,
+                                           has_branch2 ? ws.branch2 : nullptr, L.input_norm, t,
+                                           hidden, c.rms_norm_eps, ws.h, stream));
+      mark("residual add + RMSNorm");
+      attention(l, tokens, seqs, max_context);
+      MOE_CUDA_CHECK(kernels::add_rms_norm(ws.x, ws.branch, nullptr, L.post_norm, t, hidden,
+                                           c.rms_norm_eps, ws.h, stream));
+      mark("residual add + RMSNorm");
+      has_branch2 = feed_forward(l, tokens);
+      has_branch = true;
+    }
+    MOE_CUDA_CHECK(kernels::add_rms_norm(ws.x, ws.branch, has_branch2 ? ws.branch2 : nullptr,
+                                         nullptr, t, hidden, c.rms_norm_eps, nullptr, stream));
+    mark("residual add + RMSNorm");
+  }
+
+  // Final norm and lm_head for rows [first, first + rows) of ws.x into `logits`; with `sampled`,
+  // one token per row drawn with the step's sampling rows 0.. rows - 1.
+  void head(int64_t first, int64_t rows, float* logits, int32_t* sampled) {
+    const ModelConfig& c = config;
+    MOE_CUDA_CHECK(kernels::rms_norm(ws.x + first * c.hidden_size, model->final_norm,
+                                     static_cast<int>(rows), static_cast<int>(c.hidden_size),
+                                     c.rms_norm_eps, ws.normed, stream));
+    mark("residual add + RMSNorm");
+    blas->linear(ws.normed, model->lm_head, logits, OutType::kF32, rows, c.vocab_size, c.hidden_size, stream);
+    mark("lm_head");
+    if (!sampled) return;
+    kernels::SampleParams sp{meta.temperature, meta.top_k, meta.top_p, meta.seed, meta.step,
+                             static_cast<int>(c.vocab_size)};
+    const int64_t drawn = opts.sampled_vocab > 0 ? std::min(opts.sampled_vocab, c.vocab_size) : c.vocab_size;
+    MOE_CUDA_CHECK(kernels::sample_rows(logits, sp, static_cast<int>(rows), static_cast<int>(drawn),
+                                        sampled, stream));
+    mark("sampling");
+  }
+
+  DecodeGraph& graph_for(int bucket) {
+    for (DecodeGraph& g : graphs)
+      if (g.bucket == bucket) return g;
+    DecodeGraph g;
+    g.bucket = bucket;
+    g.logits = graph_arena.take_n<float>(static_cast<size_t>(bucket * config.vocab_size));
+    g.sampled = graph_arena.take_n<int32_t>(static_cast<size_t>(bucket));
+    // Warm up on padding rows only (library plans, module loading happen outside the capture),
+    // then capture the same step.
+    fill_padding(0, bucket);
+    upload_meta();
+    run_layers(bucket, bucket, opts.max_context);
+    head(0, bucket, g.logits, g.sampled);
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    cudaGraph_t graph = nullptr;
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    try {
+      run_layers(bucket, bucket, opts.max_context);
+      head(0, bucket, g.logits, g.sampled);
+    } catch (...) {
+      cudaStreamEndCapture(stream, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    cudaError_t err = cudaGraphInstantiate(&g.exec, graph, 0);
+    cudaGraphDestroy(graph);
+    MOE_CUDA_CHECK(err);
+    graphs.push_back(g);
+    return graphs.back();
+  }
+
+  // Rows [from, to) of a decode step: one token each that writes no KV (slot -1) and attends to
+  // the zeroed scratch block 0, so padding computes on finite values and touches no sequence.
+  void fill_padding(int from, int to) {
+    for (int r = from; r < to; ++r) {
+      host(meta.ids)[r] = 0;
+      host(meta.positions)[r] = 0;
+      host(meta.slots)[r] = -1;
+      host(meta.seq_starts)[r] = r;
+      host(meta.context_lens)[r] = 1;
+      write_table(r, nullptr);
+      write_sampling(r, SamplingParams{}, nullptr);
+    }
+    host(meta.seq_starts)[to] = to;
+  }
+};
+
+Engine::Engine() : s_(std::make_unique<State>()) {}
+Engine::~Engine() = default;
+
+const ModelConfig& Engine::config() const { return s_->config; }
+const EngineOptions& Engine::options() const { return s_->opts; }
+
+std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions& options) {
+  ModelConfig mc = load_model_config(dir);
+  check_cuda_supported(mc);
+  EngineOptions o = options;
+  MOE_CHECK(o.max_batch >= 1 && o.max_batch <= 1024, kInvalidArgument,
+            "max batch {} must be in [1, 1024]", o.max_batch);
+  MOE_CHECK(o.block_size >= 8 && o.block_size <= 64 && (o.block_size & (o.block_size - 1)) == 0,
+            kInvalidArgument, "KV block size {} must be a power of two in [8, 64]", o.block_size);
+  if (o.max_context <= 0) o.max_context = std::min<int64_t>(mc.max_position_embeddings, 4096);
+  MOE_CHECK(o.max_context <= mc.max_position_embeddings, kInvalidArgument,
+            "max context {} exceeds the model's max_position_embeddings {}", o.max_context,
+            mc.max_position_embeddings);
+  MOE_CHECK(o.max_step_tokens >= 1, kInvalidArgument, "max step tokens must be >= 1");
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || o.device < 0 || o.device >= count) {
+    cudaGetLastError();
+    MOE_THROW(kUnsupported, "--device cuda: no CUDA device {} (this machine has {})", o.device, count);
+  }
+  std::unique_ptr<Engine> engine(new Engine());
+  State& s = *engine->s_;
+  s.config = mc;
+  s.opts = o;
+  s.max_tokens = std::max<int64_t>(o.max_step_tokens, o.max_batch);
+  s.max_blocks = (o.max_context + o.block_size - 1) / o.block_size;
+  s.logit_rows = std::max<int64_t>(o.max_batch, 64);
+  MOE_CUDA_CHECK(cudaSetDevice(o.device));
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+
+  DeviceLoad dl{o.device, o.random_weights, o.seed, o.strict, o.progress, s.max_tokens};
+  s.model = load_device_model(dir, mc, dl);
+  s.blas = std::make_unique<Blas>();
+
+  Shapes shapes{s.max_tokens, s.logit_rows, 0, 0};
+  for (const DeviceLayer& L : s.model->layers)
+    if (L.experts) shapes.experts_ws = std::max<int64_t>(shapes.experts_ws, static_cast<int64_t>(Experts::workspace_bytes(L.experts->shape(), s.max_tokens)));
+  shapes.attention_ws = static_cast<int64_t>(kernels::paged_attention_workspace_bytes(
+      static_cast<int>(s.max_tokens), static_cast<int>(mc.num_heads), static_cast<int>(mc.head_dim),
+      static_cast<int>(o.max_context)));
+  ArenaSizer sizer;
+  carve_workspace(sizer, mc, shapes);
+  s.workspace_arena = DeviceArena("workspace", sizer.bytes());
+  s.ws = carve_workspace(s.workspace_arena, mc, shapes);
+
+  ArenaSizer meta_sizer;
+  carve_meta(meta_sizer, s.max_tokens, o.max_batch, s.max_blocks);
+  s.meta_arena = DeviceArena("step metadata", meta_sizer.bytes());
+  s.meta = carve_meta(s.meta_arena, s.max_tokens, o.max_batch, s.max_blocks);
+  MOE_CUDA_CHECK(cudaMallocHost(&s.meta_host, s.meta_arena.capacity()));
+
+  for (int b = 1; b < o.max_batch; b *= 2) s.buckets.push_back(b);
+  s.buckets.push_back(o.max_batch);
+  size_t graph_bytes = 256;
+  for (int b : s.buckets) graph_bytes += static_cast<size_t>(b) * (static_cast<size_t>(mc.vocab_size) * 4 + 4) + 512;
+  s.graph_arena = DeviceArena("decode graph outputs", graph_bytes);
+
+  // KV cache: what was asked for, or room for max_batch full contexts within 90% of what is free.
+  const size_t block_bytes = static_cast<size_t>(o.block_size * mc.num_kv_heads * mc.head_dim) * 2;
+  const size_t per_block = block_bytes * 2 * static_cast<size_t>(mc.num_layers);
+  int64_t blocks = o.kv_blocks;
+  if (blocks <= 0) {
+    size_t free = 0, total = 0;
+    MOE_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    const int64_t fit = static_cast<int64_t>(0.9 * static_cast<double>(free) / static_cast<double>(per_block));
+    blocks = std::min<int64_t>(o.max_batch * s.max_blocks + 1, fit);
+  }
+  MOE_CHECK(blocks >= 2, kInvalidArgument, "GPU memory: no room for the KV cache ({} blocks)", blocks);
+  s.kv_blocks = blocks;
+  s.kv_arena = DeviceArena("KV cache", static_cast<size_t>(blocks) * per_block + 512 * static_cast<size_t>(mc.num_layers));
+  for (int64_t l = 0; l < mc.num_layers; ++l) {
+    s.k_cache.push_back(s.kv_arena.take_n<uint16_t>(static_cast<size_t>(blocks) * block_bytes / 2));
+    s.v_cache.push_back(s.kv_arena.take_n<uint16_t>(static_cast<size_t>(blocks) * block_bytes / 2));
+  }
+  MOE_CUDA_CHECK(cudaMemset(s.kv_arena.base(), 0, s.kv_arena.capacity()));
+  for (int64_t b = blocks - 1; b >= 1; --b) s.free_blocks.push_back(static_cast<int32_t>(b));
+  return engine;
+}
+
+int32_t Engine::open_sequence() {
+  State& s = *s_;
+  int open = 0;
+  for (const Sequence& q : s.seqs) open += q.open;
+  MOE_CHECK(open < s.opts.max_batch, kInvalidArgument, "{} sequences are open: the engine was set up for at most {}",
+            open, s.opts.max_batch);
+  for (size_t i = 0; i < s.seqs.size(); ++i)
+    if (!s.seqs[i].open) {
+      s.seqs[i] = Sequence{};
+      s.seqs[i].open = true;
+      return static_cast<int32_t>(i);
+    }
+  s.seqs.push_back(Sequence{});
+  s.seqs.back().open = true;
+  return static_cast<int32_t>(s.seqs.size() - 1);
+}
+
+void Engine::close_sequence(int32_t seq) {
+  State& s = *s_;
+  MOE_CHECK(seq >= 0 && static_cast<size_t>(seq) < s.seqs.size() && s.seqs[static_cast<size_t>(seq)].open,
+            kInvalidArgument, "sequence {} is not open", seq);
+  Sequence& q = s.seqs[static_cast<size_t>(seq)];
+  s.free_blocks.insert(s.free_blocks.end(), q.blocks.rbegin(), q.blocks.rend());
+  q = Sequence{};
+}
+
+int64_t Engine::length(int32_t seq) const {
+  const State& s = *s_;
+  MOE_CHECK(seq >= 0 && static_cast<size_t>(seq) < s.seqs.size() && s.seqs[static_cast<size_t>(seq)].open,
+            kInvalidArgument, "sequence {} is not open", seq);
+  return s.seqs[static_cast<size_t>(seq)].length;
+}
+
+int32_t Engine::prefill(int32_t seq, std::span<const int32_t> ids, const SamplingParams& params,
+                        Tensor* logits, bool all_logits) {
+  State& s = *s_;
+  const ModelConfig& c = s.config;
+  validate_sampling(params);
+  MOE_CHECK(seq >= 0 && static_cast<size_t>(seq) < s.seqs.size() && s.seqs[static_cast<size_t>(seq)].open,
+            kInvalidArgument, "sequence {} is not open", seq);
+  Sequence& q = s.seqs[static_cast<size_t>(seq)];
+  const int64_t n = static_cast<int64_t>(ids.size());
+  MOE_CHECK(n > 0, kInvalidArgument, "empty input: at least one token is needed");
+  for (int32_t id : ids)
+    MOE_CHECK(id >= 0 && id < c.vocab_size, kInvalidArgument,
+              "token id {} is outside the vocabulary [0, {})", id, c.vocab_size);
+  MOE_CHECK(q.length + n <= s.opts.max_context, kInvalidArgument,
+            "context full: {} cached + {} new tokens exceed the context of {}", q.length, n, s.opts.max_context);
+  MOE_CHECK(s.blocks_needed(q, q.length + n) <= static_cast<int64_t>(s.free_blocks.size()), kInvalidArgument,
+            "KV cache full: {} more blocks needed, {} free", s.blocks_needed(q, q.length + n), s.free_blocks.size());
+  s.grow(q, q.length + n);
+  if (logits) *logits = Tensor::zeros({all_logits ? n : 1, c.vocab_size});
+  const int64_t start = q.length;
+  for (int64_t c0 = 0; c0 < n; c0 += s.opts.max_step_tokens) {
+    const int64_t c1 = std::min(n, c0 + s.opts.max_step_tokens), rows = c1 - c0;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t pos = start + c0 + i;
+      s.host(s.meta.ids)[i] = ids[static_cast<size_t>(c0 + i)];
+      s.host(s.meta.positions)[i] = static_cast<int32_t>(pos);
+      s.host(s.meta.slots)[i] = s.slot_of(q, pos);
+    }
+    s.host(s.meta.seq_starts)[0] = 0;
+    s.host(s.meta.seq_starts)[1] = static_cast<int32_t>(rows);
+    s.host(s.meta.context_lens)[0] = static_cast<int32_t>(start + c1);
+    s.write_table(0, &q);
+    s.write_sampling(0, params, &q);
+    s.upload_meta();
+    s.run_layers(rows, 1, start + c1);
+    if (logits && all_logits)
+      for (int64_t r0 = 0; r0 < rows; r0 += s.logit_rows) {
+        const int64_t r = std::min(s.logit_rows, rows - r0);
+        s.head(r0, r, s.ws.logits, nullptr);
+        MOE_CUDA_CHECK(cudaMemcpyAsync(logits->data<float>() + (c0 + r0) * c.vocab_size, s.ws.logits,
+                                       static_cast<size_t>(r * c.vocab_size) * 4, cudaMemcpyDeviceToHost, s.stream));
+      }
+    if (c1 == n) s.head(rows - 1, 1, s.ws.logits, s.ws.sampled);
+    // The next chunk's metadata overwrites the pinned buffer: wait for this chunk's copy.
+    MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  }
+  int32_t next = 0;
+  MOE_CUDA_CHECK(cudaMemcpy(&next, s.ws.sampled, 4, cudaMemcpyDeviceToHost));
+  if (logits && !all_logits)
+    MOE_CUDA_CHECK(cudaMemcpy(logits->data<float>(), s.ws.logits, static_cast<size_t>(c.vocab_size) * 4,
+                              cudaMemcpyDeviceToHost));
+  q.length += n;
+  ++q.draws;
+  return next;
+}
+
+std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<const int32_t> tokens,
+                                    std::span<const SamplingParams> params, OpProfile* profile) {
+  State& s = *s_;
+  const ModelConfig& c = s.config;
+  const int64_t b = static_cast<int64_t>(seqs.size());
+  MOE_CHECK(b >= 1 && b <= s.opts.max_batch, kInvalidArgument,
+            "a decode step takes 1 to {} sequences, got {}", s.opts.max_batch, b);
+  MOE_CHECK(tokens.size() == seqs.size() && params.size() == seqs.size(), kInvalidArgument,
+            "decode: {} sequences but {} tokens and {} sampling settings", b, tokens.size(), params.size());
+  int64_t blocks = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    const int32_t id = seqs[static_cast<size_t>(i)];
+    MOE_CHECK(id >= 0 && static_cast<size_t>(id) < s.seqs.size() && s.seqs[static_cast<size_t>(id)].open,
+              kInvalidArgument, "sequence {} is not open", id);
+    for (int64_t j = 0; j < i; ++j)
+      MOE_CHECK(seqs[static_cast<size_t>(j)] != id, kInvalidArgument, "sequence {} appears twice in one step", id);
+    const int32_t t = tokens[static_cast<size_t>(i)];
+    MOE_CHECK(t >= 0 && t < c.vocab_size, kInvalidArgument, "token id {} is outside the vocabulary [0, {})", t, c.vocab_size);
+    validate_sampling(params[static_cast<size_t>(i)]);
+    const Sequence& q = s.seqs[static_cast<size_t>(id)];
+    MOE_CHECK(q.length + 1 <= s.opts.max_context, kInvalidArgument,
+              "context full: sequence {} holds {} tokens, the context is {}", id, q.length, s.opts.max_context);
+    blocks += s.blocks_needed(q, q.length + 1);
+  }
+  MOE_CHECK(blocks <= static_cast<int64_t>(s.free_blocks.size()), kInvalidArgument,
+            "KV cache full: {} more blocks needed, {} free", blocks, s.free_blocks.size());
+  int bucket = s.buckets.back();
+  for (int candidate : s.buckets)
+    if (candidate >= b) {
+      bucket = candidate;
+      break;
+    }
+  for (int64_t i = 0; i < b; ++i) {
+    Sequence& q = s.seqs[static_cast<size_t>(seqs[static_cast<size_t>(i)])];
+    s.grow(q, q.length + 1);
+    const int r = static_cast<int>(i);
+    s.host(s.meta.ids)[r] = tokens[static_cast<size_t>(i)];
+    s.host(s.meta.positions)[r] = static_cast<int32_t>(q.length);
+    s.host(s.meta.slots)[r] = s.slot_of(q, q.length);
+    s.host(s.meta.seq_starts)[r] = r;
+    s.host(s.meta.context_lens)[r] = static_cast<int32_t>(q.length + 1);
+    s.write_table(r, &q);
+    s.write_sampling(r, params[static_cast<size_t>(i)], &q);
+  }
+  float* logits = s.ws.logits;
+  int32_t* sampled = s.ws.sampled;
+  if (s.opts.graphs && !profile) {
+    DecodeGraph& g = s.graph_for(bucket);  // captures on first use (overwrites the metadata)
+    for (int64_t i = 0; i < b; ++i) {      // so the real rows are written again
+      Sequence& q = s.seqs[static_cast<size_t>(seqs[static_cast<size_t>(i)])];
+      const int r = static_cast<int>(i);
+      s.host(s.meta.ids)[r] = tokens[static_cast<size_t>(i)];
+      s.host(s.meta.positions)[r] = static_cast<int32_t>(q.length);
+      s.host(s.meta.slots)[r] = s.slot_of(q, q.length);
+      s.host(s.meta.seq_starts)[r] = r;
+      s.host(s.meta.context_lens)[r] = static_cast<int32_t>(q.length + 1);
+      s.write_table(r, &q);
+      s.write_sampling(r, params[static_cast<size_t>(i)], &q);
+    }
+    s.fill_padding(static_cast<int>(b), bucket);
+    s.upload_meta();
+    MOE_CUDA_CHECK(cudaGraphLaunch(g.exec, s.stream));
+    logits = g.logits;
+    sampled = g.sampled;
+  } else if (profile) {
+    // The step as a graph with an event between operations, replayed twice (the first warms
+    // up), so the times are those of graph replay, without eager launch gaps.
+    s.fill_padding(static_cast<int>(b), bucket);
+    s.upload_meta();
+    s.mark_names.clear();
+    const int64_t k = std::max<int64_t>(c.moe.top_k, 1);
+    if (!s.routed_log)  // a diagnostic buffer, allocated outside any forward
+      MOE_CUDA_CHECK(cudaMalloc(&s.routed_log, static_cast<size_t>(c.num_layers * s.opts.max_batch * k) * 4));
+    cudaGraph_t graph = nullptr;
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
+    s.profiling = true;
+    try {
+      s.run_layers(bucket, bucket, s.opts.max_context);
+      s.head(0, bucket, logits, sampled);
+    } catch (...) {
+      s.profiling = false;
+      cudaStreamEndCapture(s.stream, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    s.profiling = false;
+    MOE_CUDA_CHECK(cudaStreamEndCapture(s.stream, &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    MOE_CUDA_CHECK(err);
+    for (int replay = 0; replay < 2; ++replay) MOE_CUDA_CHECK(cudaGraphLaunch(exec, s.stream));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+    cudaGraphExecDestroy(exec);
+  } else {
+    s.fill_padding(static_cast<int>(b), bucket);
+    s.upload_meta();
+    s.run_layers(bucket, bucket, s.opts.max_context);
+    s.head(0, bucket, logits, sampled);
+  }
+  std::vector<int32_t> out(static_cast<size_t>(b));
+  MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), sampled, static_cast<size_t>(b) * 4, cudaMemcpyDeviceToHost, s.stream));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  for (int64_t i = 0; i < b; ++i) {
+    Sequence& q = s.seqs[static_cast<size_t>(seqs[static_cast<size_t>(i)])];
+    ++q.length;
+    ++q.draws;
+  }
+  if (profile) {
+    *profile = OpProfile{};
+    for (size_t i = 1; i < s.mark_names.size(); ++i) {
+      float ms = 0;
+      MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, s.marks[i - 1], s.marks[i]));
+      const std::string name = s.mark_names[i];
+      auto it = std::find_if(profile->seconds.begin(), profile->seconds.end(),
+                             [&](const auto& e) { return e.first == name; });
+      if (it == profile->seconds.end()) {
+        profile->seconds.emplace_back(name, 0.0);
+        it = profile->seconds.end() - 1;
+      }
+      it->second += ms * 1e-3;
+      profile->total += ms * 1e-3;
+    }
+    const int64_t k = std::max<int64_t>(c.moe.top_k, 1);
+    std::vector<int32_t> routed(static_cast<size_t>(c.num_layers * s.opts.max_batch * k));
+    MOE_CUDA_CHECK(cudaMemcpy(routed.data(), s.routed_log, routed.size() * 4, cudaMemcpyDeviceToHost));
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      std::vector<bool> used(static_cast<size_t>(std::max<int64_t>(c.moe.num_experts, 1)), false);
+      int touched = 0;
+      if (c.moe_layers[static_cast<size_t>(l)])
+        for (int64_t i = 0; i < b * k; ++i) {
+          const int32_t e = routed[static_cast<size_t>(l * s.opts.max_batch * k + i)];
+          if (e >= 0 && e < c.moe.num_experts && !used[static_cast<size_t>(e)]) {
+            used[static_cast<size_t>(e)] = true;
+            ++touched;
+          }
+        }
+      profile->experts_touched.push_back(touched);
+    }
+  }
+  return out;
+}
+
+MemoryReport Engine::memory() const {
+  const State& s = *s_;
+  MemoryReport r;
+  r.weights = s.model->bytes();
+  r.kv_cache = s.kv_arena.capacity();
+  r.workspace = s.workspace_arena.capacity() + s.meta_arena.capacity() + s.blas->workspace_bytes();
+  r.graph_outputs = s.graph_arena.capacity();
+  r.kv_blocks = s.kv_blocks;
+  r.kv_blocks_free = static_cast<int64_t>(s.free_blocks.size());
+  return r;
+}
+
+}  // namespace moe::cuda

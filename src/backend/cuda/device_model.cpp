@@ -1,0 +1,176 @@
+#include "backend/cuda/device_model.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+#include "backend/cuda/fill_launch.h"
+#include "core/arena.h"
+#include "io/checkpoint.h"
+#include "model/model.h"
+#include "model/weights.h"
+#include "moe/errors.h"
+
+namespace moe::cuda {
+namespace {
+
+// Takes the loader's values and keeps them as bf16 at the same element offset in `mirror`; the
+// host arena they were meant for is address space only.
+class MirrorSink : public WeightSink {
+ public:
+  MirrorSink(const Arena& host, DeviceArena& mirror) : host_(host), mirror_(mirror) {
+    MOE_CUDA_CHECK(cudaMallocHost(&staging_, kStaging * 2));
+  }
+  ~MirrorSink() override { cudaFreeHost(staging_); }
+
+  void write(float* dst, const float* values, size_t count) override {
+    uint16_t* out = at(dst, count);
+    for (size_t done = 0; done < count; done += kStaging) {
+      const size_t n = std::min(kStaging, count - done);
+      for (size_t i = 0; i < n; ++i) staging_[i] = f32_to_bf16(values[done + i]);
+      MOE_CUDA_CHECK(cudaMemcpy(out + done, staging_, n * 2, cudaMemcpyHostToDevice));
+    }
+  }
+  bool fill_random(float* dst, size_t count, uint64_t state) override {
+    MOE_CUDA_CHECK(kernels::fill_random_bf16(at(dst, count), count, state, nullptr));
+    return true;
+  }
+
+ private:
+  static constexpr size_t kStaging = size_t(1) << 22;
+  uint16_t* at(const float* dst, size_t count) {
+    const size_t element = host_.offset_of(dst) / 4;
+    MOE_CHECK((element + count) * 2 <= mirror_.capacity(), kInternal,
+              "weight mirror overflow at element {}", element);
+    return static_cast<uint16_t*>(mirror_.base()) + element;
+  }
+  const Arena& host_;
+  DeviceArena& mirror_;
+  uint16_t* staging_ = nullptr;
+};
+
+}  // namespace
+
+void check_cuda_supported(const ModelConfig& mc) {
+  MOE_CHECK(mc.attention == AttentionKind::kGqa, kUnsupported,
+            "{}: multi-head latent attention (DeepSeek) runs on the CPU only so far; use --device cpu",
+            mc.architecture);
+  MOE_CHECK(!mc.o_bias, kUnsupported,
+            "{}: an output-projection bias (attention_bias) is not on the CUDA path yet", mc.architecture);
+  MOE_CHECK(mc.head_dim % 2 == 0 && mc.head_dim <= 256, kUnsupported,
+            "{}: head_dim {} is not supported on CUDA (even, at most 256)", mc.architecture, mc.head_dim);
+}
+
+std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const ModelConfig& mc,
+                                               const DeviceLoad& opts) {
+  check_cuda_supported(mc);
+  MOE_CUDA_CHECK(cudaSetDevice(opts.device));
+  // Size the layout from the state-dict keys: every allocation is at most 63 bytes of padding.
+  const auto keys = state_dict_keys(mc);
+  size_t host_bytes = 4096;
+  for (const auto& [name, shape] : keys) {
+    size_t n = 4;
+    for (int64_t d : shape) n *= static_cast<size_t>(d);
+    host_bytes += n + 64;
+  }
+  auto layout = Arena::address_space("weight layout", host_bytes);
+  auto model = std::make_unique<DeviceModel>();
+  model->mirror = DeviceArena("weights", host_bytes / 2 + 256);
+  MirrorSink sink(*layout, model->mirror);
+
+  ModelWeights w;
+  if (opts.random_weights) {
+    WeightLoader loader(*layout, opts.seed);
+    loader.set_sink(&sink);
+    w = load_weights(mc, loader);
+  } else {
+    Checkpoint ckpt(dir);
+    WeightLoader loader(ckpt, *layout, opts.strict);
+    loader.set_sink(&sink);
+    const bool draw = opts.progress && isatty(STDERR_FILENO) && ckpt.total_bytes() >= (64u << 20);
+    int last = -1;
+    if (draw)
+      loader.on_progress = [&](uint64_t done, uint64_t total) {
+        const int percent = static_cast<int>(100.0 * static_cast<double>(done) / static_cast<double>(total));
+        if (percent == last) return;
+        last = percent;
+        std::fprintf(stderr, "\rloading weights to the GPU: %3d%% (%.2f / %.2f GB)", percent,
+                     done / 1e9, total / 1e9);
+        std::fflush(stderr);
+      };
+    w = load_weights(mc, loader);
+    loader.finish();
+    if (draw) std::fprintf(stderr, "\n");
+  }
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+
+  // Rank-1 tensors as f32: each was written to the host layout as well.
+  size_t small_bytes = 4096 + static_cast<size_t>(mc.head_dim) * 2;
+  for (const auto& [name, shape] : keys)
+    if (shape.size() == 1) small_bytes += static_cast<size_t>(shape[0]) * 4 + 256;
+  small_bytes += static_cast<size_t>(mc.num_layers) *
+                 (static_cast<size_t>((mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim) * 4 + 256);
+  model->small = DeviceArena("norms", small_bytes);
+  auto upload_f32 = [&](const float* host, size_t count) -> const float* {
+    float* d = model->small.take_n<float>(count);
+    MOE_CUDA_CHECK(cudaMemcpy(d, host, count * 4, cudaMemcpyHostToDevice));
+    return d;
+  };
+  auto f32 = [&](const Tensor& t) -> const float* {
+    return t.defined() ? upload_f32(t.data<float>(), static_cast<size_t>(t.numel())) : nullptr;
+  };
+  auto bf16 = [&](const Tensor& t) -> const uint16_t* {
+    if (!t.defined()) return nullptr;
+    return static_cast<const uint16_t*>(model->mirror.base()) + layout->offset_of(t.data<float>()) / 4;
+  };
+
+  model->embed = bf16(w.embed);
+  model->lm_head = bf16(w.lm_head);
+  model->final_norm = f32(w.final_norm);
+  std::vector<float> inv_freq;
+  for (int64_t i = 0; i < mc.head_dim / 2; ++i)  // in f32, as the CPU engine and transformers do
+    inv_freq.push_back(1.0f / std::pow(mc.rope_theta, static_cast<float>(2 * i) / static_cast<float>(mc.head_dim)));
+  model->inv_freq = upload_f32(inv_freq.data(), inv_freq.size());
+
+  for (int64_t l = 0; l < mc.num_layers; ++l) {
+    const LayerWeights& lw = w.layers[static_cast<size_t>(l)];
+    DeviceLayer d;
+    d.input_norm = f32(lw.input_norm);
+    d.post_norm = f32(lw.post_attention_norm);
+    const AttentionWeights& a = lw.attn;
+    d.q = bf16(a.q);
+    d.k = bf16(a.k);
+    d.v = bf16(a.v);
+    d.o = bf16(a.o);
+    d.qkv_fused = d.k == d.q + a.q.numel() && d.v == d.k + a.k.numel();
+    if (mc.qkv_bias) {
+      std::vector<float> bias;
+      for (const Tensor* b : {&a.q_bias, &a.k_bias, &a.v_bias})
+        bias.insert(bias.end(), b->data<float>(), b->data<float>() + b->numel());
+      d.qkv_bias = upload_f32(bias.data(), bias.size());
+    }
+    d.q_norm = f32(a.q_norm);
+    d.k_norm = f32(a.k_norm);
+    d.sparse = lw.sparse;
+    if (lw.sparse) {
+      const MoeWeights& m = lw.moe;
+      d.router = bf16(m.router);
+      d.router_bias = f32(m.router_bias);
+      ExpertShape shape{m.experts.num_local, m.experts.hidden, m.experts.inter, mc.moe.top_k};
+      d.experts = std::make_unique<Experts>(bf16(m.experts.gate_up), bf16(m.experts.down), shape,
+                                            opts.max_tokens, opts.device);
+      d.shared_gate_up = bf16(m.shared.gate_up);
+      d.shared_down = bf16(m.shared.down);
+      d.shared_gate = bf16(m.shared_gate);
+    } else {
+      d.mlp_gate_up = bf16(lw.mlp.gate_up);
+      d.mlp_down = bf16(lw.mlp.down);
+    }
+    model->layers.push_back(std::move(d));
+  }
+  return model;
+}
+
+}  // namespace moe::cuda

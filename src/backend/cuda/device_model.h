@@ -1,0 +1,59 @@
+// The model's weights on one device, in the layout the CUDA engine runs: bf16 matrices at the
+// offsets the host loader lays out (a bf16 mirror of an address-space arena, so a 60 GB model
+// never exists as f32 on the host), f32 norms and biases, the routed experts of each sparse
+// layer behind cuda::Experts.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/device_arena.h"
+#include "backend/cuda_moe.h"
+#include "model/config.h"
+
+namespace moe::cuda {
+
+struct DeviceLayer {
+  const float* input_norm = nullptr;
+  const float* post_norm = nullptr;
+  // Attention: q, k, v rows back to back when qkv_fused (one projection), else three.
+  const uint16_t *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
+  bool qkv_fused = false;
+  const float* qkv_bias = nullptr;  // [(heads + 2 kv_heads) * head_dim] or null
+  const float *q_norm = nullptr, *k_norm = nullptr;
+  // Feed-forward
+  bool sparse = false;
+  const uint16_t *mlp_gate_up = nullptr, *mlp_down = nullptr;  // dense layers
+  const uint16_t* router = nullptr;                             // [experts, hidden]
+  const float* router_bias = nullptr;
+  std::unique_ptr<Experts> experts;
+  const uint16_t *shared_gate_up = nullptr, *shared_down = nullptr, *shared_gate = nullptr;
+};
+
+struct DeviceModel {
+  DeviceArena mirror;  // bf16 matrices
+  DeviceArena small;   // f32 rank-1 tensors, rotary frequencies
+  const uint16_t* embed = nullptr;
+  const uint16_t* lm_head = nullptr;
+  const float* final_norm = nullptr;
+  const float* inv_freq = nullptr;
+  std::vector<DeviceLayer> layers;
+  size_t bytes() const { return mirror.capacity() + small.capacity(); }
+};
+
+struct DeviceLoad {
+  int device = 0;
+  bool random_weights = false;
+  uint64_t seed = 0;
+  bool strict = true;
+  bool progress = false;
+  int64_t max_tokens = 0;  // largest step, for the experts' path choice
+};
+
+// Throws kUnsupported for what the CUDA path does not run yet (MLA, an output-projection bias).
+void check_cuda_supported(const ModelConfig& mc);
+std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const ModelConfig& mc,
+                                               const DeviceLoad& opts);
+
+}  // namespace moe::cuda

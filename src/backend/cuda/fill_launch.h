@@ -1,0 +1,17 @@
+// Device fills for weights the engine creates itself.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace moe::cuda::kernels {
+
+// The loader's random stream (src/io/checkpoint.cpp) drawn on the device and rounded to bf16:
+// pair i of values comes from splitmix64 step i + 1 from `state`, as int32 halves times
+// 0.02 * sqrt(3) / 2^31. Same values as the host stream, so CPU and GPU engines with random
+// weights hold the same model.
+cudaError_t fill_random_bf16(uint16_t* dst, size_t count, uint64_t state, cudaStream_t stream);
+
+}  // namespace moe::cuda::kernels

@@ -1,0 +1,18 @@
+// Dense projections of a few rows (decode): y[m, n] = sum_k x[m, k] · w[n, k] for m < rows <= 8,
+// bf16 in, f32 accumulation. Bound by reading w once, which cuBLASLt does poorly at these sizes.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moe::cuda::kernels {
+
+constexpr int kGemvMaxRows = 8;
+
+// x bf16 [rows, k], w bf16 [n, k] (both 16-byte aligned, k a multiple of 8); y [rows, ldy], f32
+// when y_f32 else bf16. cudaErrorInvalidValue outside those limits.
+cudaError_t gemv_bf16(const void* x, const void* w, void* y, bool y_f32, int rows, int n, int k,
+                      int ldy, cudaStream_t stream);
+
+}  // namespace moe::cuda::kernels

@@ -1,0 +1,103 @@
+// Path and tile choices of the routed-expert layer on sm_90, per shape class, kept apart from the
+// kernels (DeepGEMM's heuristics/sm90.hpp habit). Plain C++ (no CUDA types): cuda_moe.cpp picks
+// the path, moe_prefill.cu instantiates the tiles named here.
+//
+// Two paths:
+//  - GEMV (moe_decode.cu): each touched expert's weight rows read once with 16-byte loads and
+//    applied to its few tokens with FFMA. Right while an expert has about one token: the tensor
+//    cores would idle anyway and the GEMV has no tile padding.
+//  - grouped GEMM (moe_prefill.cu): mma.sync m16n8k16 bf16 -> f32 with ldmatrix and a 3-stage
+//    cp.async pipeline, one row tile of one expert per block. This is the Ampere-style form,
+//    written without a GPU at hand; on sm_90 it reaches roughly half of what wgmma + TMA does at
+//    compute-bound sizes (M >= 2048). Kept for devices other than sm_90 and as the reference the
+//    Hopper path is checked against.
+//  - Hopper grouped GEMM (moe_wgmma.cu): the same plan, tiles of BM rows x 256 weight rows, wgmma
+//    from 128-byte-swizzled shared memory, weights by TMA, activation rows gathered by cp.async, a
+//    warp-specialised producer and two consumer warpgroups. Taken instead of the grouped GEMM
+//    wherever that one would run, on a device of compute capability 9.0 (the code is sm_90a).
+//    Measured on an H200 (moe-bench layer, graph replays, L2 flushed, 2026-11-21), µs, mma.sync
+//    GEMM -> wgmma: qwen3-30b-a3b M = 128: 330 -> 313, 512: 363 -> 339, 2048: 696 -> 535,
+//    8192: 2170 -> 1478; deepseek-v2-lite 128: 314 -> 296, 512: 338 -> 317, 2048: 831 -> 585,
+//    8192: 2690 -> 1677. At M = 8 and 32 it also beats the mma.sync GEMM, but M = 8 stays on
+//    the GEMV by the rule below (GEMV 138 vs wgmma 142 on qwen3).
+#pragma once
+
+#include <cstdint>
+
+namespace moe::cuda::heuristics {
+
+// GEMV path widths (hidden and intermediate): multiples of 8, at most 2048 (one row in registers
+// per lane: 8 chunks of 16 bytes x 32 lanes).
+constexpr int64_t kGemvMaxWidth = 2048;
+constexpr int64_t kGemvWidthMultiple = 8;
+// GEMM path widths: multiples of the k-step (64) and of the gate_up output tile (64), at most 8192
+// (DeepSeek-V3: hidden 7168, inter 2048).
+constexpr int64_t kGemmMaxWidth = 8192;
+constexpr int64_t kGemmWidthMultiple = 64;
+constexpr int64_t kMaxTokens = 16384;
+
+// Where the shape allows both, the GEMV path is used up to this many routed slots per touched
+// expert on average (M * k / min(E, M * k)). Measured on an H200 (both paths timed at each M by
+// moe-bench layer --device cuda, 2026-11-21): qwen3 M = 8 (1 slot per expert) GEMV 138 µs vs
+// GEMM 153; M = 32 (2 per expert) GEMV 343 vs GEMM 273; deepseek-v2-lite M = 8 (1 per expert)
+// 180 vs 176, M = 32 (3 per expert) 415 vs 288. The switch sits between 1 and 2.
+constexpr double kGemvMaxSlotsPerExpert = 1.5;
+// The GEMV keeps f32 partial sums [slots, hidden]; the GEMM path keeps bf16 ones (half the
+// traffic at prefill sizes). Where both paths exist the workspace holds the bf16 sums for
+// max_tokens and f32 ones for at most this many tokens, the GEMV's limit there.
+constexpr int64_t kGemvMaxTokensBesideGemm = 256;
+
+// Grouped GEMM tiles. 256 threads as 2 (rows) x 4 (columns) warps; k-step 64 (128-byte smem rows,
+// XOR-swizzled in 16-byte chunks so that ldmatrix and cp.async are free of bank conflicts);
+// 3 stages of (BM + 128) x 64 bf16: 72 KB at BM = 128, so two blocks per SM (227 KB).
+// The weight tile is always 128 rows: gate_up takes 64 gate rows and the matching 64 up rows,
+// so the SiLU(gate) * up epilogue has both in the same thread; down takes 128 rows of hidden.
+constexpr int kGemmBK = 64;
+constexpr int kGemmStages = 3;
+constexpr int kGemmWeightRows = 128;
+constexpr int kGemmGateUpCols = kGemmWeightRows / 2;  // act columns per block
+constexpr int kGemmDownCols = kGemmWeightRows;        // hidden columns per block
+
+// Row tile (routed slots of one expert per block): 64 while experts get few rows each, so that
+// a 5-row expert pads to 64 rather than 128 (the padding costs tensor-core time and A loads, not
+// weight bytes: each weight tile is read once per row tile either way); 128 once experts get
+// more than 64 rows on average, which halves the weight re-reads per row and the number of blocks
+// at compute-bound sizes.
+inline int gemm_tile_m(int64_t tokens, int64_t top_k, int64_t experts) {
+  const double per_expert = static_cast<double>(tokens * top_k) / static_cast<double>(experts);
+  return per_expert > 64.0 ? 128 : 64;
+}
+
+inline bool gemv_supports(int64_t hidden, int64_t inter) {
+  return hidden % kGemvWidthMultiple == 0 && inter % kGemvWidthMultiple == 0 &&
+         hidden <= kGemvMaxWidth && inter <= kGemvMaxWidth;
+}
+
+inline bool gemm_supports(int64_t hidden, int64_t inter) {
+  return hidden % kGemmWidthMultiple == 0 && inter % kGemmWidthMultiple == 0 &&
+         hidden >= kGemmWidthMultiple && inter >= kGemmWidthMultiple &&
+         hidden <= kGemmMaxWidth && inter <= kGemmMaxWidth;
+}
+
+// The Hopper path takes the grouped GEMM's widths: k-steps of 64 on both GEMMs; gate_up tiles of
+// 128 act columns and down tiles of 256 hidden columns are masked at the edge (the TMA box reads
+// the next rows or zeros there, which no stored column uses).
+inline bool wgmma_supports(int64_t hidden, int64_t inter) { return gemm_supports(hidden, inter); }
+
+// The path for M tokens when the shape allows both.
+inline bool prefer_gemv(int64_t tokens, int64_t top_k, int64_t experts) {
+  if (tokens > kGemvMaxTokensBesideGemm) return false;
+  const int64_t slots = tokens * top_k;
+  const int64_t touched = slots < experts ? slots : experts;
+  return static_cast<double>(slots) / static_cast<double>(touched) <= kGemvMaxSlotsPerExpert;
+}
+
+// Upper bound on the row tiles of a forward with `slots` routed rows: sum over experts of
+// ceil(count / BM) <= slots / BM + (experts with any rows). The grid is sized for it; blocks past
+// the real count (known only on the device) exit at once.
+inline int64_t max_row_tiles(int64_t slots, int64_t experts, int tile_m) {
+  const int64_t touched = slots < experts ? slots : experts;
+  return (slots + tile_m - 1) / tile_m + touched;
+}
+
+}  // namespace moe::cuda::heuristics

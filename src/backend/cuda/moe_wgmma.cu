@@ -1,0 +1,458 @@
+// Large-M routed-expert path on Hopper: the grouped GEMMs of moe_prefill.cu (same plan, same
+// fused SiLU(gate) * up epilogue, same bf16 partial sums by slot and deterministic combine) on
+// wgmma, with the weights brought in by TMA. A work item = one row tile of one expert (BM routed
+// rows, gathered through the plan's order) x 256 weight rows; persistent blocks of 384 threads:
+//  - warpgroup 0 produces: one thread issues the TMA loads of the weight tile (a fixed tensor,
+//    128-byte swizzle); all 128 threads gather the BM activation rows with cp.async into the same
+//    swizzled layout (sm_90 has no TMA gather). Registers handed over with setmaxnreg.
+//  - warpgroups 1 and 2 consume: wgmma m64nNk16 from shared memory, f32 accumulators. BM = 128:
+//    each takes 64 rows x 256 weight rows; BM = 64: both take the 64 rows, each half the weights.
+// A kStages-deep ring of stages with full/empty mbarriers. The full barrier of a stage completes
+// when the TMA bytes have landed and each producer thread has seen its own cp.async group done,
+// fenced it to the async proxy (which the tensor cores read through) and arrived.
+// gate_up puts 64 (or 128) gate rows and the matching up rows in one tile, so each consumer
+// thread holds gate and up of the same act column. Only CUDA headers and plain launch headers.
+#include <cuda.h>  // CUtensorMap and its enums only: the encoder comes through the runtime
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "backend/cuda/moe_decode_launch.h"
+#include "backend/cuda/moe_heuristics.h"
+#include "backend/cuda/moe_wgmma_launch.h"
+
+namespace moe::cuda::kernels {
+
+namespace {
+
+constexpr int BK = 64;  // one 128-byte swizzle atom of bf16 along k
+constexpr int BN = 256; // weight rows per block
+constexpr int kThreads = 384;
+[[maybe_unused]] constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 * 56 + 256 * 224 <= 64K
+
+template <int BM>
+struct Cfg {
+  static constexpr int kParts = BM == 128 ? 1 : 2;  // weight-row parts, one per consumer at BM 64
+  static constexpr int WN = BN / kParts;            // wgmma N of one consumer
+  static constexpr int kBoxRows = WN / 2;           // rows of one TMA box (gate or up half of a part)
+  static constexpr int kABytes = BM * BK * 2;
+  static constexpr int kBBytes = BN * BK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kStages = BM == 128 ? 4 : 5;  // 192 KB / 200 KB
+  // A producer thread arrives on stage kt's full barrier once it has issued stage kt + kLag
+  // (waiting for its own copies of kt then), so that kLag + 1 gathers are in flight per thread
+  // while consumers still find the stage ready one step ahead.
+  static constexpr int kLag = kStages - 2;
+  static constexpr int kSmem = 1024 + kStages * kStageBytes + 2 * kStages * 8;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// Generic-proxy writes (cp.async) made visible to the async proxy (wgmma operand reads).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+template <int R>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator reads across the wgmma wait.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor of a K-major operand in 128-byte swizzle: rows of 128 bytes,
+// 8-row groups 1024 bytes apart (stride byte offset), tile base 1024-aligned (base offset 0);
+// the leading byte offset is unused in this layout. Stepping k by 16 inside the atom adds 32
+// bytes to the start address, the hardware applying the swizzle on the address bits.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+  uint64_t d = (addr & 0x3FFFFu) >> 4;
+  d |= uint64_t{1} << 16;
+  d |= uint64_t{1024 >> 4} << 32;
+  d |= uint64_t{1} << 62;
+  return d;
+}
+
+// Generated: d (f32, 64 x N, the wgmma fragment layout) += A(desc a) * B(desc b)^T, both K-major.
+__device__ __forceinline__ void wgmma_m64n128(float (&d)[64], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_m64n256(float (&d)[128], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(a), "l"(b), "r"(1));
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_tile(float (&d)[N / 2], uint64_t a, uint64_t b) {
+  if constexpr (N == 256) wgmma_m64n256(d, a, b);
+  else wgmma_m64n128(d, a, b);
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
+
+// Persistent: block b takes work items b, b + gridDim.x, ... of (*num_tiles row tiles) x
+// col_tiles output-column tiles (128 act columns for gate_up, 256 hidden columns for down), the
+// column tile varying fastest so that blocks running together share activation rows in L2. One
+// ring of stages and one stage counter run across the items: the producer fills the next item's
+// stages while the consumers finish the last one and write its epilogue.
+// wmap: the weights as a 2-D tensor [experts * rows, K] (gate_up: rows = 2 * inter, K = hidden;
+// down: rows = hidden, K = inter), box 64 x Cfg::kBoxRows.
+template <int BM, bool kGateUp>
+__global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
+    const __grid_constant__ CUtensorMap wmap, const __nv_bfloat16* __restrict__ a_src,
+    const int* __restrict__ order, const int* __restrict__ offsets,
+    const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+    const int* __restrict__ num_tiles, const float* __restrict__ weights, int hidden, int inter,
+    int top_k, int col_tiles, __nv_bfloat16* __restrict__ out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = Cfg<BM>;
+  constexpr int S = C::kStages;
+  const int items = *num_tiles * col_tiles;
+  if (static_cast<int>(blockIdx.x) >= items) return;
+  const int K = kGateUp ? hidden : inter;
+  const int KT = K / BK;
+
+  extern __shared__ unsigned char smem_raw[];
+  // The swizzle pattern and the descriptors assume 1024-byte aligned tiles.
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t bars = base + S * C::kStageBytes;
+  auto full = [&](int s) { return bars + 8u * s; };
+  auto empty = [&](int s) { return bars + 8u * (S + s); };
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), 128 + 1);  // each producer thread, plus the TMA thread's expect_tx
+      mbar_init(empty(s), 8);       // each consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_proxy_async();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    setmaxnreg_dec<kProducerRegs>();
+    const int tid = threadIdx.x, chunk = tid % 8, rsub = tid / 8;
+    constexpr int kARows = BM / 16;  // 16 rows x 8 chunks of 16 bytes per pass of 128 threads
+    const int w_rows = kGateUp ? 2 * inter : hidden;
+    int it = 0;  // stage counter over all items
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      const int tile = item / col_tiles, ct = item % col_tiles;
+      const int e = tile_expert[tile];
+      const int row0 = tile_row[tile];
+      const int row_end = min(offsets[e + 1], row0 + BM);
+      const __nv_bfloat16* a_ptr[kARows];
+      uint32_t a_ok = 0;
+#pragma unroll
+      for (int i = 0; i < kARows; ++i) {
+        const int p = row0 + rsub + 16 * i;
+        const bool ok = p < row_end;
+        if (ok) a_ok |= 1u << i;
+        // Rows past the expert's end are zero-filled; their pointer stays in bounds.
+        const size_t row = kGateUp ? (ok ? order[p] / top_k : 0) : (ok ? p : row0);
+        a_ptr[i] = a_src + row * K + chunk * 8;
+      }
+      for (int kt = 0; kt < KT; ++kt, ++it) {
+        const int s = it % S;
+        if (it >= S) mbar_wait(empty(s), ((it / S) & 1) ^ 1);
+        const uint32_t sa = base + s * C::kStageBytes, sb = sa + C::kABytes;
+        if (tid == 0) {
+          mbar_arrive_expect_tx(full(s), C::kBBytes);
+#pragma unroll
+          for (int bx = 0; bx < 2 * C::kParts; ++bx) {
+            int wr;
+            if (kGateUp) {
+              // Box 2q: gate rows of part q; box 2q + 1: the matching up rows.
+              const int q = bx / 2, up = bx % 2;
+              wr = e * w_rows + up * inter + ct * (BN / 2) + q * C::kBoxRows;
+            } else {
+              wr = e * w_rows + ct * BN + bx * C::kBoxRows;
+            }
+            tma_load_2d(sb + bx * C::kBoxRows * 128, &wmap, kt * BK, wr, full(s));
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kARows; ++i) {
+          const int r = rsub + 16 * i;
+          cp_async16(sa + r * 128 + ((chunk ^ (r & 7)) << 4), a_ptr[i] + kt * BK, (a_ok >> i) & 1u);
+        }
+        cp_async_commit();
+        if (it >= C::kLag) {
+          cp_async_wait<C::kLag>();
+          fence_proxy_async();
+          mbar_arrive(full((it - C::kLag) % S));
+        }
+      }
+    }
+    cp_async_wait<0>();
+    fence_proxy_async();
+    for (int j = it > C::kLag ? it - C::kLag : 0; j < it; ++j) mbar_arrive(full(j % S));
+  } else {
+    setmaxnreg_inc<kConsumerRegs>();
+    const int cw = wg - 1;  // consumer 0 or 1
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const uint32_t a_off = BM == 128 ? cw * 64 * 128 : 0;
+    const uint32_t b_off = BM == 128 ? 0 : cw * C::WN * 128;
+    const int part = BM == 128 ? 0 : cw;
+    int it = 0;
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      const int tile = item / col_tiles, ct = item % col_tiles;
+      const int row0 = tile_row[tile];
+      const int row_end = min(offsets[tile_expert[tile] + 1], row0 + BM);
+      // The epilogue's two rows, and for down their slots and routing weights, fetched before
+      // the k loop so that their latency hides under it.
+      int prow[2], slot[2] = {0, 0};
+      float scale[2] = {0.f, 0.f};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        prow[h] = row0 + (BM == 128 ? cw * 64 : 0) + 16 * warp + lane / 4 + 8 * h;
+        if (!kGateUp && prow[h] < row_end) {
+          slot[h] = order[prow[h]];
+          scale[h] = weights[slot[h]];
+        }
+      }
+      float acc[C::WN / 2];
+#pragma unroll
+      for (int i = 0; i < C::WN / 2; ++i) acc[i] = 0.f;
+      for (int kt = 0; kt < KT; ++kt, ++it) {
+        const int s = it % S;
+        mbar_wait(full(s), (it / S) & 1);
+        const uint32_t sa = base + s * C::kStageBytes + a_off;
+        const uint32_t sb = base + s * C::kStageBytes + C::kABytes + b_off;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk)
+          wgmma_tile<C::WN>(acc, sw128_desc(sa + kk * 32), sw128_desc(sb + kk * 32));
+        wgmma_commit();
+        // The previous step is done with its stage once at most this step's group is pending.
+        wgmma_wait<1>();
+        fence_regs(acc);
+        if (kt > 0) {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty((it - 1) % S));
+        }
+      }
+      wgmma_wait<0>();
+      fence_regs(acc);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty((it - 1) % S));  // the item's last stage, before the stores
+
+      // Fragment (m64nN, f32): register 4j + 2h + c holds row 16 * warp + lane / 4 + 8h, column
+      // 8j + 2 * (lane % 4) + c.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int p = prow[h];
+        if (p >= row_end) continue;
+        if (kGateUp) {
+          // Columns [0, WN/2) of this consumer are gate rows, [WN/2, WN) the matching up rows.
+#pragma unroll
+          for (int j = 0; j < C::WN / 16; ++j) {
+            const int col = ct * (BN / 2) + part * C::kBoxRows + 8 * j + 2 * (lane % 4);
+            if (col >= inter) continue;
+            const float g0 = acc[4 * j + 2 * h], g1 = acc[4 * j + 2 * h + 1];
+            const float u0 = acc[4 * (j + C::WN / 16) + 2 * h], u1 = acc[4 * (j + C::WN / 16) + 2 * h + 1];
+            *reinterpret_cast<__nv_bfloat162*>(out + (size_t)p * inter + col) =
+                __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < C::WN / 8; ++j) {
+            const int col = ct * BN + part * C::WN + 8 * j + 2 * (lane % 4);
+            if (col >= hidden) continue;
+            *reinterpret_cast<__nv_bfloat162*>(out + (size_t)slot[h] * hidden + col) =
+                __floats2bfloat162_rn(scale[h] * acc[4 * j + 2 * h], scale[h] * acc[4 * j + 2 * h + 1]);
+          }
+        }
+      }
+    }
+  }
+#else
+  __trap();  // wgmma, TMA and setmaxnreg exist only in the sm_90a machine code of this build
+#endif
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) !=
+            cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      p = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// bf16 [rows, k] row-major, boxes of 64 (k) x box_rows, 128-byte swizzle. Boxes past the last row
+// read zeros.
+cudaError_t weight_map(CUtensorMap* map, const void* w, uint64_t rows, uint64_t k, uint32_t box_rows) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {k, rows};
+  const cuuint64_t strides[1] = {k * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(BK), box_rows};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(w), dims, strides, box,
+                            elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <int BM>
+cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weights, int max_tiles,
+                      cudaStream_t stream) {
+  using C = Cfg<BM>;
+  CUtensorMap gate_up_map, down_map;
+  cudaError_t err = weight_map(&gate_up_map, b.gate_up, uint64_t(b.experts) * 2 * b.inter, b.hidden, C::kBoxRows);
+  if (err == cudaSuccess) err = weight_map(&down_map, b.down, uint64_t(b.experts) * b.hidden, b.inter, C::kBoxRows);
+  if (err != cudaSuccess) return err;
+  auto* gate_up = wgmma_gemm_kernel<BM, true>;
+  auto* down = wgmma_gemm_kernel<BM, false>;
+  // Per device, not a stream operation: harmless inside a graph capture.
+  err = cudaFuncSetAttribute(gate_up, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  if (err == cudaSuccess) err = cudaFuncSetAttribute(down, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  if (err != cudaSuccess) return err;
+  // One block per multiprocessor (one fits: ~200 KB of shared memory), or fewer where the worst
+  // case has fewer items.
+  int device = 0, sms = 0;
+  err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  auto* act = static_cast<__nv_bfloat16*>(b.act);
+  const int gu_cols = (b.inter + BN / 2 - 1) / (BN / 2), down_cols = (b.hidden + BN - 1) / BN;
+  const int gu_grid = max_tiles * gu_cols < sms ? max_tiles * gu_cols : sms;
+  const int down_grid = max_tiles * down_cols < sms ? max_tiles * down_cols : sms;
+  gate_up<<<gu_grid, kThreads, C::kSmem, stream>>>(
+      gate_up_map, static_cast<const __nv_bfloat16*>(x), b.order, b.offsets, b.tile_expert, b.tile_row,
+      b.num_tiles, weights, b.hidden, b.inter, b.top_k, gu_cols, act);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  down<<<down_grid, kThreads, C::kSmem, stream>>>(
+      down_map, act, b.order, b.offsets, b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden,
+      b.inter, b.top_k, down_cols, static_cast<__nv_bfloat16*>(b.part));
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const int* ids,
+                                 const float* weights, int tokens, int tile_m, void* y,
+                                 cudaStream_t stream) {
+  if (tile_m != 64 && tile_m != 128) return cudaErrorInvalidValue;
+  if (b.hidden % BK != 0 || b.inter % BK != 0) return cudaErrorInvalidValue;
+  const int max_tiles = static_cast<int>(
+      heuristics::max_row_tiles(static_cast<int64_t>(tokens) * b.top_k, b.experts, tile_m));
+  cudaError_t err = launch_plan(b, ids, tokens, tile_m, stream);
+  if (err != cudaSuccess) return err;
+  err = tile_m == 64 ? run_gemms<64>(b, x, weights, max_tiles, stream)
+                     : run_gemms<128>(b, x, weights, max_tiles, stream);
+  if (err != cudaSuccess) return err;
+  return launch_combine(b, tokens, true, y, stream);
+}
+
+}  // namespace moe::cuda::kernels

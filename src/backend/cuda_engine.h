@@ -1,0 +1,90 @@
+// A whole decoder on one CUDA device: weights, KV cache and workspace allocated once at load,
+// every op on the device, sampling included. Prefill runs eagerly in chunks; decode steps replay
+// a CUDA graph captured per batch-size bucket (1, 2, 4, ... up to max_batch). Declared without
+// CUDA types, so CPU-only code can include it; a build without CUDA throws kUnsupported.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "moe/tensor.h"
+#include "runtime/sampler.h"
+
+namespace moe::cuda {
+
+struct EngineOptions {
+  int device = 0;
+  int max_batch = 8;               // sequences of one decode step: the largest graph bucket
+  int64_t max_step_tokens = 2048;  // tokens of one eager forward (a prefill chunk)
+  int64_t max_context = 0;         // tokens per sequence; 0: min(max_position_embeddings, 4096)
+  int64_t kv_blocks = 0;           // 0: room for max_batch full contexts, capped by free memory
+  int block_size = 16;             // tokens per KV block
+  bool graphs = true;              // replay decode steps from CUDA graphs
+  bool strict = true;              // every checkpoint tensor must be used
+  bool progress = false;           // loading progress on a terminal
+  bool random_weights = false;     // config.json only; weights drawn on the device
+  uint64_t seed = 0;
+  // Ids at or past this are never sampled (0: none excluded). Models pad their vocabulary past
+  // the tokenizer's ids (Qwen3: 151936 vs 151669).
+  int64_t sampled_vocab = 0;
+};
+
+// Device bytes by what holds them.
+struct MemoryReport {
+  size_t weights = 0;    // bf16 matrices and f32 norms/biases
+  size_t kv_cache = 0;   // the block pools of every layer
+  size_t workspace = 0;  // activations of the largest step, expert and attention scratch, cuBLASLt
+  size_t graph_outputs = 0;  // logits and token buffers each decode graph owns
+  int64_t kv_blocks = 0, kv_blocks_free = 0;
+};
+
+// Device time of one decode step by operation, summed over layers (events between the
+// operations of the step's graph): where a step's time goes.
+struct OpProfile {
+  std::vector<std::pair<std::string, double>> seconds;  // in first-seen order
+  double total = 0;
+  // Distinct routed experts the step's real rows used, per MoE layer (0 for dense layers): the
+  // expert bytes the step had to read, for an exact floor.
+  std::vector<int> experts_touched;
+};
+
+class Engine {
+ public:
+  // Validates the config (GQA models; MLA is CPU-only for now) before anything is allocated.
+  static std::unique_ptr<Engine> load(const std::string& dir, const EngineOptions& opts);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const ModelConfig& config() const;
+  const EngineOptions& options() const;
+
+  // A new empty sequence; throws kInvalidArgument when max_batch sequences are open.
+  int32_t open_sequence();
+  // Frees the sequence's KV blocks.
+  void close_sequence(int32_t seq);
+  int64_t length(int32_t seq) const;
+
+  // Runs `ids` after the sequence's cached tokens and samples its next token on the device.
+  // logits (when given): f32 on the host, [ids.size(), vocab] when all_logits, else [1, vocab].
+  // Throws kInvalidArgument for ids outside the vocabulary, a full context or no free KV block.
+  int32_t prefill(int32_t seq, std::span<const int32_t> ids, const SamplingParams& params,
+                  Tensor* logits = nullptr, bool all_logits = false);
+  // One decode step: sequence seqs[i] takes tokens[i]; returns each one's next token. With
+  // `profile`, the step runs from a graph of its own with events between operations.
+  std::vector<int32_t> decode(std::span<const int32_t> seqs, std::span<const int32_t> tokens,
+                              std::span<const SamplingParams> params, OpProfile* profile = nullptr);
+
+  MemoryReport memory() const;
+
+ private:
+  Engine();
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace moe::cuda

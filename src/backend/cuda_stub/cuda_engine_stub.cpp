@@ -1,0 +1,29 @@
+#include "backend/cuda_engine.h"
+
+#include "moe/errors.h"
+
+namespace moe::cuda {
+
+struct Engine::State {};
+
+Engine::Engine() = default;
+Engine::~Engine() = default;
+
+std::unique_ptr<Engine> Engine::load(const std::string&, const EngineOptions&) {
+  MOE_THROW(kUnsupported, "--device cuda: this build has no CUDA backend (configure with -DMOE_CUDA=ON)");
+}
+const ModelConfig& Engine::config() const { MOE_THROW(kInternal, "no CUDA engine"); }
+const EngineOptions& Engine::options() const { MOE_THROW(kInternal, "no CUDA engine"); }
+int32_t Engine::open_sequence() { MOE_THROW(kInternal, "no CUDA engine"); }
+void Engine::close_sequence(int32_t) {}
+int64_t Engine::length(int32_t) const { return 0; }
+int32_t Engine::prefill(int32_t, std::span<const int32_t>, const SamplingParams&, Tensor*, bool) {
+  MOE_THROW(kInternal, "no CUDA engine");
+}
+std::vector<int32_t> Engine::decode(std::span<const int32_t>, std::span<const int32_t>,
+                                    std::span<const SamplingParams>, OpProfile*) {
+  MOE_THROW(kInternal, "no CUDA engine");
+}
+MemoryReport Engine::memory() const { return {}; }
+
+}  // namespace moe::cuda
