@@ -94,6 +94,7 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
     engine->close_sequence(s);
   }
   double long_prefill_s = 0;
+  cuda::OpProfile prefill_profile;
   if (a.prefill_len > 0) {
     const int32_t s = engine->open_sequence();
     auto p = prompt(a.prefill_len);
@@ -101,6 +102,11 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
     engine->prefill(s, p, SamplingParams{});
     long_prefill_s = since(t0);
     engine->close_sequence(s);
+    if (a.profile) {  // once more, timed per operation
+      const int32_t again = engine->open_sequence();
+      engine->prefill(again, p, SamplingParams{}, nullptr, false, &prefill_profile);
+      engine->close_sequence(again);
+    }
   }
   std::vector<DecodeRun> runs;
   for (int batch : batches) {
@@ -183,6 +189,7 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
     doc["prefill_len_tokens_per_s"] = a.prefill_len / long_prefill_s;
     doc["prefill_len_tflops"] = prefill_flops(a.prefill_len) / long_prefill_s / 1e12;
     doc["prefill_len_floor_tokens_per_s"] = a.prefill_len / (prefill_flops(a.prefill_len) / kBf16FlopsPerS);
+    for (const auto& [op, sec] : prefill_profile.seconds) doc["prefill_len_profile_ms"][op] = sec * 1e3;
   }
   for (const DecodeRun& r : runs) {
     double bytes = 0;
@@ -222,6 +229,11 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
     std::printf("prefill of %d tokens: %.1f tok/s (%.1f ms, %.1f TFLOP/s); compute floor %.1f tok/s "
                 "at %.0f TFLOP/s\n", a.prefill_len, a.prefill_len / long_prefill_s, long_prefill_s * 1e3,
                 f / long_prefill_s / 1e12, a.prefill_len / (f / kBf16FlopsPerS), kBf16FlopsPerS / 1e12);
+    if (!prefill_profile.seconds.empty()) {
+      std::printf("  per operation, %.3f ms of device time:", prefill_profile.total * 1e3);
+      for (const auto& [op, sec] : prefill_profile.seconds) std::printf(" %s %.3f;", op.c_str(), sec * 1e3);
+      std::printf("\n");
+    }
   }
   for (const DecodeRun& r : runs) {
     double bytes = 0;

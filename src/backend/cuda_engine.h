@@ -31,6 +31,8 @@ struct EngineOptions {
   // Ids at or past this are never sampled (0: none excluded). Models pad their vocabulary past
   // the tokenizer's ids (Qwen3: 151936 vs 151669).
   int64_t sampled_vocab = 0;
+  // Keep every MoE layer's expert choice of the last step (last_routing()): for tests.
+  bool record_routing = false;
 };
 
 // Device bytes by what holds them.
@@ -72,14 +74,19 @@ class Engine {
   // Runs `ids` after the sequence's cached tokens and samples its next token on the device.
   // logits (when given): f32 on the host, [ids.size(), vocab] when all_logits, else [1, vocab].
   // Throws kInvalidArgument for ids outside the vocabulary, a full context or no free KV block.
+  // With `profile`, the device time of the whole prefill per operation.
   int32_t prefill(int32_t seq, std::span<const int32_t> ids, const SamplingParams& params,
-                  Tensor* logits = nullptr, bool all_logits = false);
+                  Tensor* logits = nullptr, bool all_logits = false, OpProfile* profile = nullptr);
   // One decode step: sequence seqs[i] takes tokens[i]; returns each one's next token. With
   // `profile`, the step runs from a graph of its own with events between operations.
   std::vector<int32_t> decode(std::span<const int32_t> seqs, std::span<const int32_t> tokens,
                               std::span<const SamplingParams> params, OpProfile* profile = nullptr);
 
   MemoryReport memory() const;
+  // With record_routing (or after a profiled step): the experts each MoE layer chose for each
+  // row of the last forward (the last chunk of a prefill), [layers, rows, top_k], ascending per
+  // row; -1 for dense layers.
+  std::vector<int32_t> last_routing() const;
 
  private:
   Engine();

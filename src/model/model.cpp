@@ -237,7 +237,9 @@ void Model::sparse_ffn(int64_t layer, const Tensor& h, Tensor& out) {
   const int64_t t = h.dim(0), n_exp = c.moe.num_experts, k = c.moe.top_k;
   Tensor logits = Tensor::empty(workspace_, {t, n_exp});
   ops::linear(pool_, h, w.router, nullptr, logits);
-  if (on_router) on_router(layer, logits.data<float>(), t, n_exp);
+  if (on_router)
+    on_router(layer, logits.data<float>(), w.router_bias.defined() ? w.router_bias.data<float>() : nullptr,
+              t, n_exp);
   std::vector<int32_t> ids(static_cast<size_t>(t * k));
   std::vector<float> weights(static_cast<size_t>(t * k));
   route(c.moe.router, logits.data<float>(), w.router_bias.defined() ? w.router_bias.data<float>() : nullptr,

@@ -72,9 +72,11 @@ class Model {
   // Expert-parallel traffic and control-plane time of the MoE layers since load or clear.
   EpStats& ep_stats() { return ep_stats_; }
   size_t expert_bytes() const;  // this rank's routed-expert weights (the packed copy is the only one)
-  // Called with every MoE layer's router logits [tokens, experts] as they are computed: lets
-  // tests and analysis see how close each routing decision was.
-  std::function<void(int64_t layer, const float* logits, int64_t tokens, int64_t experts)> on_router;
+  // Called with every MoE layer's router logits [tokens, experts] as they are computed, and the
+  // correction bias of the choice (null when the router has none): lets tests and analysis see
+  // how close each routing decision was.
+  std::function<void(int64_t layer, const float* logits, const float* bias, int64_t tokens, int64_t experts)>
+      on_router;
 
  private:
   Model(std::string dir, ModelConfig config, int threads, ExecMode exec);

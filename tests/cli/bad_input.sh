@@ -77,6 +77,8 @@ expect unknown_ep_backend "valid names: local_allreduce" -- "$cli" logits -m "$f
 expect gpu_only_ep_backend "p2p" -- "$cli" logits -m "$fixture" --ids 1 --ep 2 --ep-backend p2p
 expect ep_larger_than_experts "larger than the number of experts" -- "$cli" logits -m "$fixture" --ids 1 --ep 9
 expect bad_exec_mode "valid: naive, grouped" -- "$cli" logits -m "$fixture" --ids 1 --exec fastest
+expect bad_device "--device tpu: expected cpu or cuda" -- "$cli" logits -m "$fixture" --ids 1 --device tpu
+expect cuda_with_ep "--ep 2 is CPU-only" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2
 bench=${MOE_BENCH:-$(dirname "$cli")/moe-bench}
 expect bench_unknown_preset "unknown layer preset" -- "$bench" layer --preset gpt5
 expect bench_ep_too_large "must be in \\[1, 8\\]" -- "$bench" layer --ep 9
@@ -84,6 +86,8 @@ expect bench_bad_device "valid devices are cpu and cuda" -- "$bench" layer --dev
 expect bench_cuda_needs_bf16 "bf16|no CUDA backend" -- "$bench" layer --device cuda --dtype f32
 expect bench_model_preset_without_weights "add --random-weights" -- "$bench" model --preset qwen3-moe-mid
 expect bench_model_too_big "this machine has" -- "$bench" model --preset deepseek-v3 --random-weights
+expect bench_model_bad_device "expected cpu or cuda" -- "$bench" model --preset qwen3-moe-mid --random-weights --device tpu
+expect bench_model_bad_batches "batch sizes must be >= 1" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --batches 1,0
 
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

@@ -1,13 +1,15 @@
 // Paged attention on the GPU against moe::cpu::attention, run per sequence on contiguous f32
-// copies of the same bf16 values. Every case runs both kernels (the row kernel with its context
-// splits, and the tiled tensor-core kernel where the head dim has one) and the automatic choice.
+// copies of the same bf16 values. Every case runs every kernel (the row kernel with its context
+// splits, and the tiled and decode tensor-core kernels where the head dim has them) and the
+// automatic choice.
 // Block tables are shuffled; cache rows that no sequence may read (past a context, unused blocks,
 // table entries past a sequence's last block) hold NaN, and the output is poisoned with NaN, so a
 // stray read or a missed write shows up as a non-finite result.
 //
 // Bound: max |gpu - cpu| / max |cpu| <= 2^-7 per case. The output is rounded to bf16 (2^-9
 // relative of each value); the tiled kernel also rounds the softmax weights to bf16 before P V
-// (2^-9 relative per weight, averaging out over keys); f32 summation order differs. Two 2^-8
+// (2^-9 relative per weight, averaging out over keys; the decode kernel does the same); f32
+// summation order differs. Two 2^-8
 // leaves margin over those and is far below what a wrong key, head or mask produces (order 1).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -18,6 +20,7 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "backend/cpu/kernels.h"
@@ -126,10 +129,6 @@ class PagedCase {
     dstarts_ = std::make_unique<DeviceBuffer<int32_t>>(starts_);
     dctx_ = std::make_unique<DeviceBuffer<int32_t>>(ctx_);
     dout_ = std::make_unique<DeviceBuffer<uint16_t>>(static_cast<size_t>(tokens_) * sh_.q_heads * sh_.head_dim);
-    const size_t ws = cuda::kernels::paged_attention_workspace_bytes(tokens_, sh_.q_heads, sh_.head_dim,
-                                                                     max_context_);
-    dws_ = std::make_unique<DeviceBuffer<uint8_t>>(ws);
-    dws_->poison();
     p_ = PagedAttentionParams{};
     p_.q = dq_->get();
     p_.k_cache = dk_->get();
@@ -147,8 +146,18 @@ class PagedCase {
     p_.max_context = max_context_;
     p_.scale = 1.0f / std::sqrt(static_cast<float>(sh_.head_dim));
     p_.out = dout_->get();
+    set_path(path, 0);
+  }
+
+  // Another kernel or split size on the uploaded data; the workspace is sized (and poisoned) for it.
+  void set_path(AttentionPath path, int split_keys) {
+    const size_t ws = cuda::kernels::paged_attention_workspace_bytes(tokens_, sh_.q_heads, sh_.head_dim,
+                                                                     max_context_, split_keys);
+    dws_ = std::make_unique<DeviceBuffer<uint8_t>>(ws);
+    dws_->poison();
     p_.workspace = ws ? dws_->get() : nullptr;
     p_.path = path;
+    p_.split_keys = split_keys;
   }
 
   // Same host fields as the last prepare(); only the device lengths and cache contents change.
@@ -190,6 +199,7 @@ void check_batch(const Shape& sh, const Batch& b, uint32_t seed) {
   const std::vector<float> ref = c.reference();
   std::vector<AttentionPath> paths = {AttentionPath::kAuto, AttentionPath::kRow};
   if (cuda::kernels::paged_attention_has_tiled(sh.head_dim)) paths.push_back(AttentionPath::kTiled);
+  if (cuda::kernels::paged_attention_has_decode(sh.head_dim)) paths.push_back(AttentionPath::kDecode);
   for (AttentionPath path : paths) {
     const double err = gputest::max_rel_error(c.run(path), ref);
     EXPECT_LE(err, kBound) << "path " << static_cast<int>(path) << " q_heads " << sh.q_heads
@@ -251,12 +261,28 @@ TEST(CudaAttention, ReplayWithLongerContexts) {
   REQUIRE_GPU();
   const Shape sh{32, 4, 128, 16};
   const int max_context = 2100;
-  for (AttentionPath path : {AttentionPath::kAuto, AttentionPath::kRow, AttentionPath::kTiled}) {
+  for (AttentionPath path :
+       {AttentionPath::kAuto, AttentionPath::kRow, AttentionPath::kTiled, AttentionPath::kDecode}) {
     PagedCase c(sh, {{1, 1, 1}, {100, 5, 700}}, max_context, 100);
     c.prepare(path);
     EXPECT_LE(gputest::max_rel_error(c.launch(), c.reference()), kBound) << "first, path " << static_cast<int>(path);
     c.replay_with({600, 2000, 2100});
     EXPECT_LE(gputest::max_rel_error(c.launch(), c.reference()), kBound) << "replay, path " << static_cast<int>(path);
+  }
+}
+
+// The decode kernel with the grid sized for a long max_context (as a captured graph is) and real
+// contexts from 1 to 2048, under several split sizes: one split, splits past a row's end that must
+// exit, the clamp to 64 splits where the last split takes the rest, a size not a multiple of 16.
+TEST(CudaAttention, DecodeSplitSizes) {
+  REQUIRE_GPU();
+  const Shape sh{32, 4, 128, 16};
+  PagedCase c(sh, {{1, 1, 1, 1, 1}, {2048, 200, 17, 1, 64}}, 2050, 120);
+  const std::vector<float> ref = c.reference();
+  c.prepare(AttentionPath::kDecode);
+  for (int split_keys : {0, 16, 64, 100, 1 << 20}) {
+    c.set_path(AttentionPath::kDecode, split_keys);
+    EXPECT_LE(gputest::max_rel_error(c.launch(), ref), kBound) << "split_keys " << split_keys;
   }
 }
 
@@ -276,44 +302,112 @@ TEST(CudaAttention, RejectsBadSizes) {
   EXPECT_EQ(cuda::kernels::paged_attention(p, nullptr), cudaErrorInvalidValue);
 }
 
-// Not a check: times the two shapes the engine cares about, printed next to the bytes moved.
+// Microseconds per call: `reps` calls captured in one CUDA graph (as the engine replays its
+// decode step), the graph replayed a few times. With `flush`, a memset of a buffer larger than L2
+// precedes every call and a graph of the memsets alone is subtracted, so K/V come from HBM as in
+// the engine, where a layer's expert weights pass through L2 between two attention calls.
+double graph_us(const PagedAttentionParams& p, DeviceBuffer<uint8_t>* flush) {
+  constexpr int kReps = 20, kReplays = 5;
+  cudaStream_t st;
+  EXPECT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  auto time_graph = [&](bool attention) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    EXPECT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    for (int i = 0; i < kReps; ++i) {
+      if (flush) {
+        EXPECT_EQ(cudaMemsetAsync(flush->get(), i & 0xff, flush->size(), st), cudaSuccess);
+      }
+      if (attention) {
+        EXPECT_EQ(cuda::kernels::paged_attention(p, st), cudaSuccess);
+      }
+    }
+    EXPECT_EQ(cudaStreamEndCapture(st, &g), cudaSuccess);
+    EXPECT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
+    EXPECT_EQ(cudaGraphLaunch(ge, st), cudaSuccess);  // warm-up
+    EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    cudaEventRecord(e0, st);
+    for (int r = 0; r < kReplays; ++r) cudaGraphLaunch(ge, st);
+    cudaEventRecord(e1, st);
+    EXPECT_EQ(cudaEventSynchronize(e1), cudaSuccess);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+    return 1000.0 * ms / (kReps * kReplays);
+  };
+  double us = time_graph(true);
+  if (flush) us -= time_graph(false);
+  cudaStreamDestroy(st);
+  return us;
+}
+
+// Not a check of speed (nothing is asserted on times): the decode shapes of qwen3-30b-a3b with the
+// grid sized for max_context 2050 as the engine captures it, every decode variant checked against
+// the row kernel on the same data, then timed warm (K/V in L2 where they fit) and cold.
 TEST(CudaAttention, Timing) {
   REQUIRE_GPU();
+  const Shape sh{32, 4, 128, 16};
+  const int max_context = 2050;
+  DeviceBuffer<uint8_t> flush(size_t{160} << 20);  // > the 50 MB L2 of an H100
+  struct V {
+    const char* name;
+    AttentionPath path;
+    int split_keys;
+  };
+  const V variants[] = {{"row (old)", AttentionPath::kRow, 0},     {"auto", AttentionPath::kAuto, 0},
+                        {"decode split 64", AttentionPath::kDecode, 64},
+                        {"decode split 128", AttentionPath::kDecode, 128},
+                        {"decode split 256", AttentionPath::kDecode, 256},
+                        {"decode split 512", AttentionPath::kDecode, 512},
+                        {"decode split 1024", AttentionPath::kDecode, 1024},
+                        {"decode no split", AttentionPath::kDecode, 1 << 20}};
+  for (int batch : {1, 64}) {
+    PagedCase c(sh, {std::vector<int>(batch, 1), std::vector<int>(batch, 2048)}, max_context, 7);
+    c.prepare(AttentionPath::kRow);
+    // Contexts: all 2048, all 200, and (batch 64) spread from 32 to 2048, where one split per row
+    // would leave the longest rows alone at the end.
+    std::vector<int> spread(static_cast<size_t>(batch));
+    for (int i = 0; i < batch; ++i) spread[static_cast<size_t>(i)] = 2048 - i * 2016 / std::max(batch - 1, 1);
+    for (int ctx : {2048, 200, -1}) {
+      if (ctx == -1 && batch == 1) continue;
+      const std::vector<int> lens = ctx == -1 ? spread : std::vector<int>(batch, ctx);
+      if (ctx != 2048) c.replay_with(lens);
+      c.set_path(AttentionPath::kRow, 0);
+      const std::vector<float> want = c.launch();
+      double kv_bytes = 0;
+      for (int l : lens) kv_bytes += 2.0 * l * sh.kv_heads * sh.head_dim * 2;
+      for (const V& v : variants) {
+        c.set_path(v.path, v.split_keys);
+        EXPECT_LE(gputest::max_rel_error(c.launch(), want), kBound) << v.name << " b" << batch << " ctx" << ctx;
+        const double warm = graph_us(c.params(), nullptr), cold = graph_us(c.params(), &flush);
+        std::printf("[timing] decode b%-2d ctx%-6s (max 2050) %-18s warm %7.1f us  cold %7.1f us  KV %6.0f GB/s cold\n",
+                    batch, ctx == -1 ? "spread" : std::to_string(ctx).c_str(), v.name, warm, cold,
+                    kv_bytes / cold / 1e3);
+      }
+    }
+  }
   struct T {
     const char* name;
     Batch b;
     AttentionPath path;
   };
-  const Shape sh{32, 4, 128, 16};
-  for (const T& t : {T{"decode b1 ctx2048", {{1}, {2048}}, AttentionPath::kAuto},
-                     T{"decode b64 ctx2048", {std::vector<int>(64, 1), std::vector<int>(64, 2048)}, AttentionPath::kAuto},
-                     T{"prefill 4096 tiled", {{4096}, {4096}}, AttentionPath::kTiled},
+  for (const T& t : {T{"prefill 4096 tiled", {{4096}, {4096}}, AttentionPath::kTiled},
                      T{"prefill 1024 row", {{1024}, {1024}}, AttentionPath::kRow},
                      T{"prefill 1024 tiled", {{1024}, {1024}}, AttentionPath::kTiled}}) {
     PagedCase c(sh, t.b, max_of(t.b.ctx), 7);
     c.prepare(t.path);
-    c.launch();
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    const int iters = 20;
-    cudaEventRecord(e0);
-    for (int i = 0; i < iters; ++i) cuda::kernels::paged_attention(c.params(), nullptr);
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    const double us = 1000.0 * ms / iters;
-    double kv_bytes = 0;
-    for (int ctx : t.b.ctx) kv_bytes += 2.0 * ctx * sh.kv_heads * sh.head_dim * 2;
+    const double us = graph_us(c.params(), nullptr);
     double flops = 0;
     for (size_t s = 0; s < t.b.rows.size(); ++s)
       for (int i = 0; i < t.b.rows[s]; ++i)
         flops += 4.0 * sh.q_heads * sh.head_dim * (t.b.ctx[s] - t.b.rows[s] + i + 1);
-    std::printf("[timing] %-20s %9.1f us  KV %.1f GB/s  %.1f TFLOP/s\n", t.name, us, kv_bytes / us / 1e3,
-                flops / us / 1e6);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
+    std::printf("[timing] %-20s %9.1f us  %.1f TFLOP/s\n", t.name, us, flops / us / 1e6);
   }
 }
 

@@ -37,77 +37,94 @@ nlohmann::json reference(const std::string& dir) {
 
 std::unique_ptr<cuda::Engine> load(const std::string& dir, bool graphs = true, int max_batch = 4) {
   cuda::EngineOptions o;
+  o.record_routing = true;
   o.max_batch = max_batch;
   o.max_context = 128;
   o.graphs = graphs;
   return cuda::Engine::load(dir, o);
 }
 
-// How close the CPU engine's decisions were, per position of a sequence: the GPU's bf16
-// arithmetic may legitimately flip a decision closer than its error, and a flipped routing
-// changes that row and every later one (through attention).
-struct Closeness {
-  Tensor logits;                   // CPU logits [T, vocab]
-  std::vector<bool> routing_tie;   // per position: some layer's k-th / (k+1)-th router logits tie
+// The CPU engine's logits and expert choices for a sequence, to compare the GPU's against.
+struct CpuRun {
+  Tensor logits;                          // [T, vocab]
+  std::vector<std::vector<int32_t>> ids;  // per layer: [T * top_k] chosen experts (empty: dense)
 };
 
-// Router logits carry the bf16 error of the hidden state feeding them: ~1% of their magnitude
-// after a few layers. Two experts closer than 2% of the row's largest |logit| are a tie.
-constexpr double kRouterTie = 0.02;
-
-Closeness cpu_closeness(const std::string& dir, const std::vector<int32_t>& ids) {
+CpuRun cpu_run(const std::string& dir, const std::vector<int32_t>& ids) {
   auto model = Model::load(dir);
-  const int64_t k = model->config().moe.top_k;
-  Closeness c;
-  c.routing_tie.assign(ids.size(), false);
-  model->on_router = [&](int64_t, const float* logits, int64_t tokens, int64_t experts) {
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::vector<float> row(logits + t * experts, logits + (t + 1) * experts);
-      double scale = 0;
-      for (float v : row) scale = std::max(scale, std::fabs(static_cast<double>(v)));
-      std::sort(row.begin(), row.end(), std::greater<float>());
-      if (k < experts && row[static_cast<size_t>(k - 1)] - row[static_cast<size_t>(k)] < kRouterTie * scale)
-        c.routing_tie[static_cast<size_t>(t)] = true;
-    }
+  const RouterConfig rc = model->config().moe.router;
+  CpuRun r;
+  r.ids.resize(static_cast<size_t>(model->config().num_layers));
+  model->on_router = [&](int64_t layer, const float* logits, const float* bias, int64_t tokens, int64_t) {
+    auto& out = r.ids[static_cast<size_t>(layer)];
+    out.resize(static_cast<size_t>(tokens * rc.top_k));
+    std::vector<float> w(out.size());
+    route(rc, logits, bias, tokens, out.data(), w.data());
   };
   KvCache cache = model->new_cache(static_cast<int64_t>(ids.size()));
-  c.logits = model->forward(ids, cache, true);
-  return c;
+  r.logits = model->forward(ids, cache, true);
+  return r;
 }
 
-size_t first_tie(const std::vector<bool>& ties) {
-  for (size_t i = 0; i < ties.size(); ++i)
-    if (ties[i]) return i;
-  return ties.size();
+// Where the GPU's routing (bf16 activations) first chose other experts than the CPU's for some
+// layer: that row and every later one (through attention) are no longer comparable. Also counts
+// the decisions, so that a systematic difference (a wiring bug, not a near-tie) fails.
+struct RoutingAgreement {
+  size_t first_divergence = SIZE_MAX;
+  size_t decisions = 0, agreeing = 0;
+};
+
+RoutingAgreement compare_routing(const CpuRun& cpu, const std::vector<int32_t>& gpu, int64_t layers,
+                                 int64_t tokens, int64_t k) {
+  RoutingAgreement a;
+  for (int64_t l = 0; l < layers; ++l) {
+    const auto& c = cpu.ids[static_cast<size_t>(l)];
+    if (c.empty()) continue;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const bool same = std::equal(c.begin() + t * k, c.begin() + (t + 1) * k, gpu.begin() + (l * tokens + t) * k);
+      ++a.decisions;
+      a.agreeing += same;
+      if (!same) a.first_divergence = std::min(a.first_divergence, static_cast<size_t>(t));
+    }
+  }
+  return a;
 }
+
+// Near-ties flip a few routing decisions under bf16; more than one in ten is a bug.
+constexpr double kMinRoutingAgreement = 0.9;
 
 class CudaFixtureTest : public ::testing::TestWithParam<std::string> {};
 
-// Every row before the first routing tie must be within the bf16 bound of transformers' logits;
-// later rows are reported. At least one row per fixture must be checked.
+// Every row before the first routing divergence from the CPU must be within the bf16 bound of
+// transformers' logits; later rows are reported. The GPU's routing must agree with the CPU's on
+// most decisions.
 TEST_P(CudaFixtureTest, LogitsMatchTransformersWithinBf16Bound) {
   REQUIRE_GPU();
   const std::string dir = fixture_dir(GetParam());
   auto ref = reference(dir);
   auto engine = load(dir);
-  const int64_t vocab = engine->config().vocab_size;
+  const ModelConfig& mc = engine->config();
+  const int64_t vocab = mc.vocab_size;
   const bool all_rows = ref.value("logits_rows", std::string("all")) == "all";
-  size_t checked = 0;
+  size_t checked = 0, decisions = 0, agreeing = 0;
   for (size_t i = 0; i < ref["inputs"].size(); ++i) {
     auto ids = ref["inputs"][i].get<std::vector<int32_t>>();
     const int32_t seq = engine->open_sequence();
     Tensor logits;
     engine->prefill(seq, ids, SamplingParams{}, &logits, all_rows);
     engine->close_sequence(seq);
+    const RoutingAgreement ra = compare_routing(cpu_run(dir, ids), engine->last_routing(), mc.num_layers,
+                                                static_cast<int64_t>(ids.size()), std::max<int64_t>(mc.moe.top_k, 1));
+    decisions += ra.decisions;
+    agreeing += ra.agreeing;
     const auto& expected = ref["logits"][i];
     ASSERT_EQ(logits.dim(0), static_cast<int64_t>(expected.size()));
-    const size_t tie = first_tie(cpu_closeness(dir, ids).routing_tie);
     const size_t first_row = all_rows ? 0 : ids.size() - 1;  // position of expected row 0
     double worst = 0, worst_after = 0, scale = 0;
     for (size_t r = 0; r < expected.size(); ++r) {
       auto row = expected[r].get<std::vector<float>>();
       ASSERT_EQ(static_cast<int64_t>(row.size()), vocab);
-      const bool trusted = first_row + r < tie;
+      const bool trusted = first_row + r < ra.first_divergence;
       for (int64_t v = 0; v < vocab; ++v) {
         const float got = logits.data<float>()[static_cast<int64_t>(r) * vocab + v];
         ASSERT_TRUE(std::isfinite(got)) << "row " << r << " id " << v;
@@ -117,17 +134,24 @@ TEST_P(CudaFixtureTest, LogitsMatchTransformersWithinBf16Bound) {
       }
       checked += trusted;
     }
-    std::printf("[ %s input %zu ] max |logit - transformers| = %.3g (%.2f%% of max |logit| %.3g) "
-                "over rows before the first routing tie (position %zu of %zu); %.3g after it\n",
-                GetParam().c_str(), i, worst, 100 * worst / scale, scale, tie, ids.size(), worst_after);
+    std::printf("[ %s input %zu ] max |logit - transformers| = %.3g (%.2f%% of max |logit| %.3g) over "
+                "rows before the first routing divergence (position %zu of %zu; %zu of %zu decisions "
+                "agree); %.3g after it\n", GetParam().c_str(), i, worst, 100 * worst / scale, scale,
+                std::min(ra.first_divergence, ids.size()), ids.size(), ra.agreeing, ra.decisions, worst_after);
     EXPECT_LE(worst, logit_bound(scale)) << GetParam() << " input " << i;
   }
-  EXPECT_GT(checked, 0u) << GetParam() << ": every row follows a routing tie; nothing was checked";
+  if (decisions > 0) {
+    EXPECT_GE(static_cast<double>(agreeing) / static_cast<double>(decisions), kMinRoutingAgreement)
+        << GetParam() << ": the GPU routes differently from the CPU far more often than near-ties explain";
+  }
+  // A fixture whose routing diverged at the very first token of every input checks no logits;
+  // its routing agreement above still holds it.
+  std::printf("[ %s ] %zu rows checked against the bound\n", GetParam().c_str(), checked);
 }
 
 // Greedy continuations through prefill and graph-replayed decode steps equal the CPU engine's
-// (which equal transformers') at every step the CPU decided clearly. A step is clear when no
-// routing tie precedes it and the CPU's top-2 logit margin exceeds three times the largest
+// (which equal transformers') at every step the CPU decided clearly. A step is clear when the
+// GPU routed every earlier position as the CPU did and the CPU's top-2 logit margin exceeds three times the largest
 // |GPU - CPU| logit difference measured at that position (GPU logits of the same sequence,
 // teacher-forced): twice that difference already fixes the GPU's argmax, the third covers the
 // decode kernels' different summation order. Steps after the first unclear one are reported.
@@ -144,15 +168,18 @@ TEST_P(CudaFixtureTest, GreedyTokensMatchCpuEngine) {
     auto expected = ref["greedy"][i].get<std::vector<int32_t>>();
     std::vector<int32_t> sequence = ids;
     sequence.insert(sequence.end(), expected.begin(), expected.end() - 1);
-    const Closeness cpu = cpu_closeness(dir, sequence);
+    const CpuRun cpu = cpu_run(dir, sequence);
     Tensor forced;
     const int32_t probe = engine->open_sequence();
     engine->prefill(probe, sequence, SamplingParams{}, &forced, true);
     engine->close_sequence(probe);
+    const RoutingAgreement ra =
+        compare_routing(cpu, engine->last_routing(), engine->config().num_layers,
+                        static_cast<int64_t>(sequence.size()), std::max<int64_t>(engine->config().moe.top_k, 1));
     size_t clear = 0;
     for (size_t step = 0; step < expected.size(); ++step) {
       const size_t pos = ids.size() - 1 + step;
-      if (first_tie(cpu.routing_tie) <= pos) break;
+      if (ra.first_divergence <= pos) break;
       const float* c = cpu.logits.data<float>() + static_cast<int64_t>(pos) * vocab;
       const float* g = forced.data<float>() + static_cast<int64_t>(pos) * vocab;
       double diff = 0;
@@ -223,7 +250,9 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, CudaFixtureTest,
                          ::testing::Values("qwen3_dense_f32", "qwen3_dense_bf16_tied", "qwen3_moe_f32",
                                            "qwen3_moe_nonorm_f32", "qwen3_moe_bf16", "mixtral_f32",
                                            "mixtral_f16_sharded", "mixtral_bf16", "qwen2_moe_f32",
-                                           "olmoe_f32", "tiny_qwen3_moe"));
+                                           "olmoe_f32", "tiny_qwen3_moe", "deepseek_v2_f32",
+                                           "deepseek_v2_grouped_f32", "deepseek_v3_f32",
+                                           "deepseek_v3_g8_f32", "deepseek_v3_bf16"));
 
 // Real widths (head_dim 64, 64 experts of 384, vocab 151936): the GPU engine and the CPU engine
 // hold the same random weights (the device draws the loader's stream) and must agree.
@@ -289,17 +318,6 @@ TEST(CudaEngine, BadInputIsRejectedAndTheEngineKeepsWorking) {
   EXPECT_GT(m.weights, 0u);
   EXPECT_GT(m.kv_cache, 0u);
   EXPECT_LT(m.kv_blocks_free, m.kv_blocks);
-}
-
-TEST(CudaEngine, LatentAttentionModelsAreRefusedClearly) {
-  REQUIRE_GPU();
-  try {
-    load(fixture_dir("deepseek_v3_f32"));
-    FAIL() << "expected kUnsupported";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
-    EXPECT_NE(std::string(e.what()).find("latent attention"), std::string::npos) << e.what();
-  }
 }
 
 }  // namespace

@@ -283,6 +283,90 @@ TEST(CudaMoe, PathsAgree) {
   }
 }
 
+// The GEMV path's two forms: up to 24 routed slots the warps read the ids themselves (qwen3
+// M <= 3, deepseek-v2-lite M <= 4), past that the plan kernel and v2's grouped kernels.
+// Both shapes at the decode sizes either side of the switch, against the CPU (bound kBound).
+TEST(CudaMoe, GemvSmallBatchesEitherSideOfThePlanSwitch) {
+  REQUIRE_GPU();
+  std::mt19937 rng(21);
+  const Layer q = make_layer(128, 2048, 768, rng);
+  for (int64_t t : {1, 2, 3, 4, 5, 16}) {
+    const auto ids = route(128, t, 8, 1.0, rng);
+    EXPECT_LE(run(q, t, 8, ids, ExpertPath::kGemv, rng).rel, kBound) << "qwen3 M=" << t;
+  }
+  const Layer d = make_layer(64, 2048, 1408, rng);
+  for (int64_t t : {1, 2, 5, 6, 16}) {
+    const auto ids = route(64, t, 6, 0.95, rng);
+    EXPECT_LE(run(d, t, 6, ids, ExpertPath::kGemv, rng).rel, kBound) << "deepseek-v2-lite M=" << t;
+  }
+}
+
+// Without the plan, slots that share an expert must all be found (here 3 tokens on the same 8
+// experts: 24 slots, 8 experts with 3 each; and one token whose k slots repeat an expert, which
+// the router never produces but the GEMV must still sum right). Widths: gate_up rows of one
+// 16-byte chunk per lane (hidden 64: 8 down rows per warp) and down rows of 225 chunks (inter
+// 1800: eight chunks per lane, the last partly past the row). Bound kBound.
+TEST(CudaMoe, GemvDirectRoutingSharedExpertsAndNarrowWidths) {
+  REQUIRE_GPU();
+  std::mt19937 rng(22);
+  const Layer l = make_layer(16, 64, 1800, rng);
+  std::vector<int32_t> same;
+  for (int t = 0; t < 3; ++t)
+    for (int32_t e : {0, 2, 3, 7, 8, 11, 14, 15}) same.push_back(e);
+  EXPECT_LE(run(l, 3, 8, same, ExpertPath::kGemv, rng).rel, kBound);
+  EXPECT_LE(run(l, 1, 4, {5, 5, 9, 5}, ExpertPath::kGemv, rng).rel, kBound);
+  // Past the plan switch with more row items than the persistent grid has warps (a GEMV-only
+  // width: 520 is no multiple of 64, so 300 tokens are allowed).
+  const Layer w = make_layer(64, 520, 1408, rng);
+  EXPECT_LE(run(w, 300, 2, route(64, 300, 2, 0.97, rng), ExpertPath::kGemv, rng).rel, kBound);
+}
+
+// The GEMV launches are chained (programmatic dependent launch) and, up to 24 slots, run without
+// the plan: a captured graph must still replay bit-identical to a direct call for new routings,
+// on both sides of the switch (M = 2: 16 slots; M = 8: 64 slots).
+TEST(CudaMoe, GemvGraphReplayWithNewRoutingIsExact) {
+  REQUIRE_GPU();
+  std::mt19937 rng(23);
+  const int64_t e = 32, h = 1024, inter = 512, k = 8;
+  const Layer l = make_layer(e, h, inter, rng);
+  cuda::DecodeExperts layer(l.w, 8, k);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  for (int64_t t : {2, 8}) {
+    const auto x = gputest::random_bf16_exact(static_cast<size_t>(t * h), rng, 1.0f);
+    std::vector<float> w(static_cast<size_t>(t * k), 0.25f);
+    DeviceBuffer<uint16_t> dx(gputest::to_bf16(x)), dy(static_cast<size_t>(t * h));
+    DeviceBuffer<int32_t> dids(route(e, t, k, 1.0, rng));
+    DeviceBuffer<float> dw(w);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    layer.forward(dx.get(), dids.get(), dw.get(), t, dy.get(), stream, ExpertPath::kGemv);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (double skew : {1.0, 0.7}) {
+      dids.upload(route(e, t, k, skew, rng));
+      dy.poison();
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const auto replayed = dy.download();
+      dy.poison();
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      EXPECT_EQ(replayed, dy.download()) << "M=" << t << ": two replays differ";
+      dy.poison();
+      layer.forward(dx.get(), dids.get(), dw.get(), t, dy.get(), stream, ExpertPath::kGemv);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const auto direct = dy.download();
+      EXPECT_EQ(replayed, direct) << "M=" << t << ", skew " << skew;
+      for (float v : gputest::from_bf16(direct)) ASSERT_TRUE(std::isfinite(v)) << "an element left unwritten";
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  cudaStreamDestroy(stream);
+}
+
 // Counts and offsets live on the device only: a graph captured once replays right for other
 // routings of the same M, and the GEMM path gives the same bits every time.
 TEST(CudaMoe, GraphReplayWithNewRoutingIsExactAndDeterministic) {

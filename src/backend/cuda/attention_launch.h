@@ -22,12 +22,14 @@
 namespace moe::cuda::kernels {
 
 // Which kernel serves the call. kAuto picks by the host sizes: the tiled tensor-core kernel when
-// sequences average many rows (prefill) and the head dim has an instantiation, otherwise the row
-// kernel. Both are correct for every input; the tests run each on every case.
+// sequences average many rows (prefill) and the head dim has an instantiation, otherwise the decode
+// kernel where the head dim has one, otherwise the row kernel. Each is correct for every input;
+// the tests run each on every case.
 enum class AttentionPath : int {
   kAuto = 0,
-  kRow = 1,    // one block per (row, group of query heads, context split): decode, and the reference
-  kTiled = 2,  // 64 rows of one head per block, mma.sync bf16: prefill
+  kRow = 1,     // one block per (row, group of query heads, context split), f32 FMAs: the reference
+  kTiled = 2,   // 64 rows of one head per block, mma.sync bf16: prefill
+  kDecode = 3,  // one block per (row, up to 16 heads of a kv head, context split), mma.sync bf16
 };
 
 struct PagedAttentionParams {
@@ -44,6 +46,9 @@ struct PagedAttentionParams {
   uint16_t* out = nullptr;  // bf16 [tokens, q_heads, head_dim]
   void* workspace = nullptr;  // scratch for split-context partial results, see below
   AttentionPath path = AttentionPath::kAuto;
+  // Decode kernel only: keys per context split, 0 = the built-in choice. A tuning knob for the
+  // benchmarks; a non-zero value must also be passed to paged_attention_workspace_bytes.
+  int split_keys = 0;
 };
 
 // Limits checked by paged_attention (cudaErrorInvalidValue otherwise).
@@ -51,13 +56,18 @@ constexpr int kAttentionMaxHeadDim = 256;  // and a multiple of 8
 constexpr int kAttentionMinBlockSize = 8;  // block_size: a power of two in [8, 64]
 constexpr int kAttentionMaxBlockSize = 64;
 
-// Bytes of workspace paged_attention needs for these sizes (0 allowed when no split is used).
-// The split count depends on tokens and max_context only, so a buffer sized here for the worst
-// case of a captured graph serves every replay.
-size_t paged_attention_workspace_bytes(int tokens, int q_heads, int head_dim, int max_context);
+// Bytes of workspace paged_attention needs for any call with at most `tokens` rows and this
+// max_context (0 allowed when no split is used). The split count depends on the host sizes only
+// (the device then uses as many of them as each row's real length needs), so a buffer sized here
+// serves every replay of a captured graph.
+size_t paged_attention_workspace_bytes(int tokens, int q_heads, int head_dim, int max_context,
+                                       int split_keys = 0);
 
 // Whether the tiled (tensor-core) kernel has an instantiation for this head dim.
 bool paged_attention_has_tiled(int head_dim);
+
+// Whether the decode (tensor-core) kernel has an instantiation for this head dim.
+bool paged_attention_has_decode(int head_dim);
 
 cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream);
 

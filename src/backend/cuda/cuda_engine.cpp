@@ -8,6 +8,7 @@
 #include "backend/cuda/blas.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_model.h"
+#include "backend/cuda/latent_attention_launch.h"
 #include "backend/cuda/ops_launch.h"
 #include "moe/errors.h"
 
@@ -44,8 +45,12 @@ StepMeta carve_meta(A& a, int64_t tokens, int64_t seqs, int64_t max_blocks) {
 struct Workspace {
   float* x;              // residual stream [T, H]
   uint16_t* h;           // normalised [T, H]
-  float* qkv;            // [T, (heads + 2 kv_heads) * head_dim]
-  uint16_t *q, *attn;    // [T, heads * head_dim]
+  float* qkv;            // [T, (heads + 2 kv_heads) * head_dim]; MLA: q [T, heads * (nope + rope)]
+  uint16_t* q;           // [T, heads * head_dim]; MLA: q_full [T, heads, lora + rope]
+  uint16_t* attn;        // [T, heads * head_dim]; MLA: [T, heads * v]
+  // Latent attention only (empty for GQA models).
+  float *mla_qa, *mla_kv;   // [T, q_lora], [T, lora + rope]
+  uint16_t *mla_qa_normed, *mla_q_nope, *mla_o_lat;  // [T, q_lora], [T, heads * nope], [T, heads * lora]
   uint16_t *branch, *branch2;  // [T, H]: attention / MLP / routed experts; shared expert
   float* router_logits;  // [T, E]
   int32_t* topk_ids;
@@ -66,8 +71,13 @@ struct Shapes {
 template <typename A>
 Workspace carve_workspace(A& a, const ModelConfig& c, const Shapes& s) {
   const size_t t = static_cast<size_t>(s.tokens), hidden = static_cast<size_t>(c.hidden_size);
-  const size_t qw = static_cast<size_t>(c.num_heads * c.head_dim);
-  const size_t qkvw = static_cast<size_t>((c.num_heads + 2 * c.num_kv_heads) * c.head_dim);
+  const MlaConfig& m = c.mla;
+  const bool mla = c.attention == AttentionKind::kMla;
+  const size_t heads = static_cast<size_t>(c.num_heads);
+  const size_t qw = mla ? heads * static_cast<size_t>(std::max(m.kv_lora_rank + m.qk_rope_head_dim, m.v_head_dim))
+                        : static_cast<size_t>(c.num_heads * c.head_dim);
+  const size_t qkvw = mla ? heads * static_cast<size_t>(m.qk_head_dim())
+                          : static_cast<size_t>((c.num_heads + 2 * c.num_kv_heads) * c.head_dim);
   const size_t inter = static_cast<size_t>(std::max(c.intermediate_size, c.moe.shared_intermediate));
   const size_t experts = static_cast<size_t>(std::max<int64_t>(c.moe.num_experts, 1));
   const size_t k = static_cast<size_t>(std::max<int64_t>(c.moe.top_k, 1));
@@ -78,6 +88,11 @@ Workspace carve_workspace(A& a, const ModelConfig& c, const Shapes& s) {
   w.qkv = a.template take_n<float>(t * qkvw);
   w.q = a.template take_n<uint16_t>(t * qw);
   w.attn = a.template take_n<uint16_t>(t * qw);
+  w.mla_qa = a.template take_n<float>(mla ? t * static_cast<size_t>(m.q_lora_rank) : 0);
+  w.mla_kv = a.template take_n<float>(mla ? t * static_cast<size_t>(m.kv_lora_rank + m.qk_rope_head_dim) : 0);
+  w.mla_qa_normed = a.template take_n<uint16_t>(mla ? t * static_cast<size_t>(m.q_lora_rank) : 0);
+  w.mla_q_nope = a.template take_n<uint16_t>(mla ? t * heads * static_cast<size_t>(m.qk_nope_head_dim) : 0);
+  w.mla_o_lat = a.template take_n<uint16_t>(mla ? t * heads * static_cast<size_t>(m.kv_lora_rank) : 0);
   w.branch = a.template take_n<uint16_t>(t * hidden);
   w.branch2 = a.template take_n<uint16_t>(t * hidden);
   w.router_logits = a.template take_n<float>(t * experts);
@@ -129,7 +144,10 @@ struct Engine::State {
   std::vector<int> buckets;
   // Profiling: events recorded between operations while `profiling` (never inside a capture).
   bool profiling = false;
-  int32_t* routed_log = nullptr;  // [layers, max_batch, top_k] while profiling: each layer's choice
+  // [layers, max_tokens, top_k]: each layer's expert choice of the last step, kept while profiling
+  // or when the options ask for it (tests compare it with the CPU's).
+  int32_t* routed_log = nullptr;
+  int64_t last_tokens = 0;
   std::vector<cudaEvent_t> marks;
   std::vector<const char*> mark_names;
 
@@ -150,9 +168,39 @@ struct Engine::State {
       MOE_CUDA_CHECK(cudaEventCreate(&e));
       marks.push_back(e);
     }
-    // External: recorded as a node of the graph being captured, so it keeps a timestamp.
-    MOE_CUDA_CHECK(cudaEventRecordWithFlags(marks[i], stream, cudaEventRecordExternal));
+    // While capturing, an external record becomes a node of the graph and keeps a timestamp.
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    MOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    if (capturing == cudaStreamCaptureStatusActive)
+      MOE_CUDA_CHECK(cudaEventRecordWithFlags(marks[i], stream, cudaEventRecordExternal));
+    else
+      MOE_CUDA_CHECK(cudaEventRecord(marks[i], stream));
     mark_names.push_back(name);
+  }
+
+  void allocate_routing_log() {  // a diagnostic buffer, allocated outside any forward
+    if (routed_log) return;
+    const int64_t k = std::max<int64_t>(config.moe.top_k, 1);
+    MOE_CUDA_CHECK(cudaMalloc(&routed_log, static_cast<size_t>(config.num_layers * max_tokens * k) * 4));
+    MOE_CUDA_CHECK(cudaMemset(routed_log, 0xff, static_cast<size_t>(config.num_layers * max_tokens * k) * 4));
+  }
+
+  // Device time between consecutive marks, summed per name (after the stream finished).
+  void collect(OpProfile* profile) {
+    *profile = OpProfile{};
+    for (size_t i = 1; i < mark_names.size(); ++i) {
+      float ms = 0;
+      MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, marks[i - 1], marks[i]));
+      const std::string name = mark_names[i];
+      auto it = std::find_if(profile->seconds.begin(), profile->seconds.end(),
+                             [&](const auto& e) { return e.first == name; });
+      if (it == profile->seconds.end()) {
+        profile->seconds.emplace_back(name, 0.0);
+        it = profile->seconds.end() - 1;
+      }
+      it->second += ms * 1e-3;
+      profile->total += ms * 1e-3;
+    }
   }
 
   // Host address of a device meta pointer.
@@ -193,8 +241,83 @@ struct Engine::State {
     host(meta.step)[row] = s ? static_cast<int32_t>(s->draws) : 0;
   }
 
+  // Multi-head latent attention in the absorbed form: keys and values never leave the latent
+  // space; each head's key projection folds into its query and its value projection applies
+  // after the attention (per-head batched products).
+  void latent_attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max_context) {
+    const ModelConfig& c = config;
+    const MlaConfig& m = c.mla;
+    const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
+    const int64_t heads = c.num_heads, nope = m.qk_nope_head_dim, rope = m.qk_rope_head_dim;
+    const int64_t lora = m.kv_lora_rank, vd = m.v_head_dim, qk = m.qk_head_dim();
+    constexpr float kLatentNormEps = 1e-6f;  // transformers builds these norms with its default
+    if (L.q_a) {
+      blas->linear(ws.h, L.q_a, ws.mla_qa, OutType::kF32, tokens, m.q_lora_rank, c.hidden_size, stream);
+      MOE_CUDA_CHECK(kernels::rms_norm(ws.mla_qa, L.q_a_norm, static_cast<int>(tokens),
+                                       static_cast<int>(m.q_lora_rank), kLatentNormEps, ws.mla_qa_normed, stream));
+      blas->linear(ws.mla_qa_normed, L.q_b, ws.qkv, OutType::kF32, tokens, heads * qk, m.q_lora_rank, stream);
+    } else {
+      blas->linear(ws.h, L.q, ws.qkv, OutType::kF32, tokens, heads * qk, c.hidden_size, stream);
+    }
+    blas->linear(ws.h, L.kv_a, ws.mla_kv, OutType::kF32, tokens, lora + rope, c.hidden_size, stream);
+    mark("q and latent projections");
+    kernels::LatentCacheParams lc;
+    lc.kv = ws.mla_kv;
+    lc.norm_weight = L.kv_a_norm;
+    lc.eps = kLatentNormEps;
+    lc.inv_freq = model->inv_freq;
+    lc.positions = meta.positions;
+    lc.slots = meta.slots;
+    lc.cache = k_cache[static_cast<size_t>(l)];
+    lc.tokens = static_cast<int>(tokens);
+    lc.lora = static_cast<int>(lora);
+    lc.rope = static_cast<int>(rope);
+    MOE_CUDA_CHECK(kernels::prepare_latent(lc, stream));
+    kernels::MlaQParams mq;
+    mq.q = ws.qkv;
+    mq.inv_freq = model->inv_freq;
+    mq.positions = meta.positions;
+    mq.q_nope = ws.mla_q_nope;
+    mq.q_full = ws.q;
+    mq.tokens = lc.tokens;
+    mq.heads = static_cast<int>(heads);
+    mq.nope = static_cast<int>(nope);
+    mq.rope = lc.rope;
+    mq.lora = lc.lora;
+    MOE_CUDA_CHECK(kernels::prepare_mla_q(mq, stream));
+    mark("latent norm, rope, cache write");
+    blas->linear_batched(ws.mla_q_nope, heads * nope, nope, L.uk_t, lora * nope, ws.q, OutType::kBf16,
+                         heads * (lora + rope), lora + rope, tokens, lora, nope, heads, stream);
+    mark("absorbed key projection");
+    kernels::LatentAttentionParams a;
+    a.q = ws.q;
+    a.cache = lc.cache;
+    a.block_tables = meta.block_tables;
+    a.seq_starts = meta.seq_starts;
+    a.context_lens = meta.context_lens;
+    a.num_seqs = static_cast<int>(seqs);
+    a.tokens = lc.tokens;
+    a.heads = mq.heads;
+    a.lora = lc.lora;
+    a.rope = lc.rope;
+    a.block_size = opts.block_size;
+    a.max_blocks_per_seq = static_cast<int>(max_blocks);
+    a.max_context = static_cast<int>(max_context);
+    a.scale = 1.0f / std::sqrt(static_cast<float>(qk));
+    a.out = ws.mla_o_lat;
+    a.workspace = ws.attention;
+    MOE_CUDA_CHECK(kernels::latent_attention(a, stream));
+    mark("attention");
+    blas->linear_batched(ws.mla_o_lat, heads * lora, lora, L.uv, (nope + vd) * lora, ws.attn, OutType::kBf16,
+                         heads * vd, vd, tokens, vd, lora, heads, stream);
+    mark("absorbed value projection");
+    blas->linear(ws.attn, L.o, ws.branch, OutType::kBf16, tokens, c.hidden_size, heads * vd, stream);
+    mark("o projection");
+  }
+
   void attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max_context) {
     const ModelConfig& c = config;
+    if (c.attention == AttentionKind::kMla) return latent_attention(l, tokens, seqs, max_context);
     const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
     const int64_t hd = c.head_dim, qw = c.num_heads * hd, kw = c.num_kv_heads * hd;
     const int64_t qkvw = qw + 2 * kw;
@@ -281,8 +404,8 @@ struct Engine::State {
     rp.scaling = rc.scaling;
     MOE_CUDA_CHECK(kernels::route(ws.router_logits, rp, t, ws.topk_ids, ws.topk_weights, stream));
     mark("route (top-k)");
-    if (profiling && routed_log)
-      MOE_CUDA_CHECK(cudaMemcpyAsync(routed_log + l * opts.max_batch * rc.top_k, ws.topk_ids,
+    if ((profiling || opts.record_routing) && routed_log)
+      MOE_CUDA_CHECK(cudaMemcpyAsync(routed_log + l * max_tokens * rc.top_k, ws.topk_ids,
                                      static_cast<size_t>(tokens * rc.top_k) * 4, cudaMemcpyDeviceToDevice, stream));
     L.experts->forward(ws.h, ws.topk_ids, ws.topk_weights, tokens, ws.branch, ws.experts, stream);
     mark("routed experts");
@@ -304,7 +427,7 @@ struct Engine::State {
   void run_layers(int64_t tokens, int64_t seqs, int64_t max_context) {
     const ModelConfig& c = config;
     const int t = static_cast<int>(tokens), hidden = static_cast<int>(c.hidden_size);
-    mark("start");
+    mark("host: step metadata, waits");
     MOE_CUDA_CHECK(kernels::embed(model->embed, meta.ids, t, hidden, static_cast<int>(c.vocab_size), ws.x, stream));
     mark("embedding");
     bool has_branch = false, has_branch2 = false;
@@ -434,9 +557,12 @@ std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions
   Shapes shapes{s.max_tokens, s.logit_rows, 0, 0};
   for (const DeviceLayer& L : s.model->layers)
     if (L.experts) shapes.experts_ws = std::max<int64_t>(shapes.experts_ws, static_cast<int64_t>(Experts::workspace_bytes(L.experts->shape(), s.max_tokens)));
-  shapes.attention_ws = static_cast<int64_t>(kernels::paged_attention_workspace_bytes(
-      static_cast<int>(s.max_tokens), static_cast<int>(mc.num_heads), static_cast<int>(mc.head_dim),
-      static_cast<int>(o.max_context)));
+  shapes.attention_ws = static_cast<int64_t>(
+      mc.attention == AttentionKind::kMla
+          ? kernels::latent_attention_workspace_bytes(static_cast<int>(s.max_tokens), static_cast<int>(mc.num_heads),
+                                                      static_cast<int>(mc.mla.kv_lora_rank), static_cast<int>(o.max_context))
+          : kernels::paged_attention_workspace_bytes(static_cast<int>(s.max_tokens), static_cast<int>(mc.num_heads),
+                                                     static_cast<int>(mc.head_dim), static_cast<int>(o.max_context)));
   ArenaSizer sizer;
   carve_workspace(sizer, mc, shapes);
   s.workspace_arena = DeviceArena("workspace", sizer.bytes());
@@ -455,8 +581,10 @@ std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions
   s.graph_arena = DeviceArena("decode graph outputs", graph_bytes);
 
   // KV cache: what was asked for, or room for max_batch full contexts within 90% of what is free.
-  const size_t block_bytes = static_cast<size_t>(o.block_size * mc.num_kv_heads * mc.head_dim) * 2;
-  const size_t per_block = block_bytes * 2 * static_cast<size_t>(mc.num_layers);
+  // Per layer a key pool and a value pool (GQA) or one latent pool (MLA: kv_value_width() = 0).
+  const size_t k_block = static_cast<size_t>(o.block_size * mc.kv_key_width()) * 2;
+  const size_t v_block = static_cast<size_t>(o.block_size * mc.kv_value_width()) * 2;
+  const size_t per_block = (k_block + v_block) * static_cast<size_t>(mc.num_layers);
   int64_t blocks = o.kv_blocks;
   if (blocks <= 0) {
     size_t free = 0, total = 0;
@@ -468,10 +596,11 @@ std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions
   s.kv_blocks = blocks;
   s.kv_arena = DeviceArena("KV cache", static_cast<size_t>(blocks) * per_block + 512 * static_cast<size_t>(mc.num_layers));
   for (int64_t l = 0; l < mc.num_layers; ++l) {
-    s.k_cache.push_back(s.kv_arena.take_n<uint16_t>(static_cast<size_t>(blocks) * block_bytes / 2));
-    s.v_cache.push_back(s.kv_arena.take_n<uint16_t>(static_cast<size_t>(blocks) * block_bytes / 2));
+    s.k_cache.push_back(s.kv_arena.take_n<uint16_t>(static_cast<size_t>(blocks) * k_block / 2));
+    s.v_cache.push_back(v_block ? s.kv_arena.take_n<uint16_t>(static_cast<size_t>(blocks) * v_block / 2) : nullptr);
   }
   MOE_CUDA_CHECK(cudaMemset(s.kv_arena.base(), 0, s.kv_arena.capacity()));
+  if (o.record_routing) s.allocate_routing_log();
   for (int64_t b = blocks - 1; b >= 1; --b) s.free_blocks.push_back(static_cast<int32_t>(b));
   return engine;
 }
@@ -510,7 +639,7 @@ int64_t Engine::length(int32_t seq) const {
 }
 
 int32_t Engine::prefill(int32_t seq, std::span<const int32_t> ids, const SamplingParams& params,
-                        Tensor* logits, bool all_logits) {
+                        Tensor* logits, bool all_logits, OpProfile* profile) {
   State& s = *s_;
   const ModelConfig& c = s.config;
   validate_sampling(params);
@@ -529,6 +658,11 @@ int32_t Engine::prefill(int32_t seq, std::span<const int32_t> ids, const Samplin
   s.grow(q, q.length + n);
   if (logits) *logits = Tensor::zeros({all_logits ? n : 1, c.vocab_size});
   const int64_t start = q.length;
+  // Profiled prefill runs as usual (eagerly): its kernels are long enough that launch gaps
+  // between them are small. A mark before the first chunk starts the clock.
+  s.mark_names.clear();
+  s.profiling = profile != nullptr;
+  s.mark("begin");
   for (int64_t c0 = 0; c0 < n; c0 += s.opts.max_step_tokens) {
     const int64_t c1 = std::min(n, c0 + s.opts.max_step_tokens), rows = c1 - c0;
     for (int64_t i = 0; i < rows; ++i) {
@@ -543,6 +677,7 @@ int32_t Engine::prefill(int32_t seq, std::span<const int32_t> ids, const Samplin
     s.write_table(0, &q);
     s.write_sampling(0, params, &q);
     s.upload_meta();
+    s.last_tokens = rows;
     s.run_layers(rows, 1, start + c1);
     if (logits && all_logits)
       for (int64_t r0 = 0; r0 < rows; r0 += s.logit_rows) {
@@ -555,6 +690,8 @@ int32_t Engine::prefill(int32_t seq, std::span<const int32_t> ids, const Samplin
     // The next chunk's metadata overwrites the pinned buffer: wait for this chunk's copy.
     MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
   }
+  s.profiling = false;
+  if (profile) s.collect(profile);
   int32_t next = 0;
   MOE_CUDA_CHECK(cudaMemcpy(&next, s.ws.sampled, 4, cudaMemcpyDeviceToHost));
   if (logits && !all_logits)
@@ -611,6 +748,7 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
   }
   float* logits = s.ws.logits;
   int32_t* sampled = s.ws.sampled;
+  s.last_tokens = b;
   if (s.opts.graphs && !profile) {
     DecodeGraph& g = s.graph_for(bucket);  // captures on first use (overwrites the metadata)
     for (int64_t i = 0; i < b; ++i) {      // so the real rows are written again
@@ -635,9 +773,7 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
     s.fill_padding(static_cast<int>(b), bucket);
     s.upload_meta();
     s.mark_names.clear();
-    const int64_t k = std::max<int64_t>(c.moe.top_k, 1);
-    if (!s.routed_log)  // a diagnostic buffer, allocated outside any forward
-      MOE_CUDA_CHECK(cudaMalloc(&s.routed_log, static_cast<size_t>(c.num_layers * s.opts.max_batch * k) * 4));
+    s.allocate_routing_log();
     cudaGraph_t graph = nullptr;
     MOE_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
     s.profiling = true;
@@ -674,29 +810,16 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
     ++q.draws;
   }
   if (profile) {
-    *profile = OpProfile{};
-    for (size_t i = 1; i < s.mark_names.size(); ++i) {
-      float ms = 0;
-      MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, s.marks[i - 1], s.marks[i]));
-      const std::string name = s.mark_names[i];
-      auto it = std::find_if(profile->seconds.begin(), profile->seconds.end(),
-                             [&](const auto& e) { return e.first == name; });
-      if (it == profile->seconds.end()) {
-        profile->seconds.emplace_back(name, 0.0);
-        it = profile->seconds.end() - 1;
-      }
-      it->second += ms * 1e-3;
-      profile->total += ms * 1e-3;
-    }
+    s.collect(profile);
     const int64_t k = std::max<int64_t>(c.moe.top_k, 1);
-    std::vector<int32_t> routed(static_cast<size_t>(c.num_layers * s.opts.max_batch * k));
-    MOE_CUDA_CHECK(cudaMemcpy(routed.data(), s.routed_log, routed.size() * 4, cudaMemcpyDeviceToHost));
+    s.last_tokens = b;
+    const std::vector<int32_t> routed = last_routing();
     for (int64_t l = 0; l < c.num_layers; ++l) {
       std::vector<bool> used(static_cast<size_t>(std::max<int64_t>(c.moe.num_experts, 1)), false);
       int touched = 0;
       if (c.moe_layers[static_cast<size_t>(l)])
         for (int64_t i = 0; i < b * k; ++i) {
-          const int32_t e = routed[static_cast<size_t>(l * s.opts.max_batch * k + i)];
+          const int32_t e = routed[static_cast<size_t>(l * b * k + i)];
           if (e >= 0 && e < c.moe.num_experts && !used[static_cast<size_t>(e)]) {
             used[static_cast<size_t>(e)] = true;
             ++touched;
@@ -705,6 +828,19 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
       profile->experts_touched.push_back(touched);
     }
   }
+  return out;
+}
+
+std::vector<int32_t> Engine::last_routing() const {
+  const State& s = *s_;
+  const ModelConfig& c = s.config;
+  const int64_t k = std::max<int64_t>(c.moe.top_k, 1);
+  std::vector<int32_t> out(static_cast<size_t>(c.num_layers * s.last_tokens * k), -1);
+  if (!s.routed_log) return out;
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    MOE_CUDA_CHECK(cudaMemcpy(out.data() + l * s.last_tokens * k, s.routed_log + l * s.max_tokens * k,
+                              static_cast<size_t>(s.last_tokens * k) * 4, cudaMemcpyDeviceToHost));
   return out;
 }
 

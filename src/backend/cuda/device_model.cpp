@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "backend/cuda/fill_launch.h"
+#include "backend/cuda/latent_attention_launch.h"
 #include "core/arena.h"
 #include "io/checkpoint.h"
 #include "model/model.h"
@@ -54,9 +55,18 @@ class MirrorSink : public WeightSink {
 }  // namespace
 
 void check_cuda_supported(const ModelConfig& mc) {
-  MOE_CHECK(mc.attention == AttentionKind::kGqa, kUnsupported,
-            "{}: multi-head latent attention (DeepSeek) runs on the CPU only so far; use --device cpu",
-            mc.architecture);
+  if (mc.attention == AttentionKind::kMla) {
+    const MlaConfig& m = mc.mla;
+    MOE_CHECK(m.kv_lora_rank % 8 == 0 && m.kv_lora_rank <= kernels::kLatentMaxLora &&
+                  m.qk_rope_head_dim % 8 == 0 && m.qk_rope_head_dim <= kernels::kLatentMaxRope &&
+                  m.qk_nope_head_dim % 2 == 0 && m.qk_nope_head_dim <= kernels::kLatentMaxNope,
+              kUnsupported,
+              "{}: latent attention on CUDA needs kv_lora_rank and qk_rope_head_dim multiples of 8 "
+              "(at most {} and {}) and an even qk_nope_head_dim (at most {}); got {}, {}, {}",
+              mc.architecture, kernels::kLatentMaxLora, kernels::kLatentMaxRope, kernels::kLatentMaxNope,
+              m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim);
+    return;
+  }
   MOE_CHECK(!mc.o_bias, kUnsupported,
             "{}: an output-projection bias (attention_bias) is not on the CUDA path yet", mc.architecture);
   MOE_CHECK(mc.head_dim % 2 == 0 && mc.head_dim <= 256, kUnsupported,
@@ -126,6 +136,10 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     return static_cast<const uint16_t*>(model->mirror.base()) + layout->offset_of(t.data<float>()) / 4;
   };
 
+  if (mc.attention == AttentionKind::kMla)
+    model->derived = DeviceArena("derived weights", static_cast<size_t>(mc.num_layers) *
+                                                        (static_cast<size_t>(mc.num_heads * mc.mla.kv_lora_rank *
+                                                                             mc.mla.qk_nope_head_dim) * 2 + 256) + 256);
   model->embed = bf16(w.embed);
   model->lm_head = bf16(w.lm_head);
   model->final_norm = f32(w.final_norm);
@@ -153,6 +167,22 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     }
     d.q_norm = f32(a.q_norm);
     d.k_norm = f32(a.k_norm);
+    if (mc.attention == AttentionKind::kMla) {
+      d.q_a = bf16(a.q_a);
+      d.q_b = bf16(a.q_b);
+      d.q_a_norm = f32(a.q_a_norm);
+      d.kv_a = bf16(a.kv_a);
+      d.kv_a_norm = f32(a.kv_a_norm);
+      const MlaConfig& m = mc.mla;
+      const uint16_t* kv_b = bf16(a.kv_b);
+      d.uv = kv_b + m.qk_nope_head_dim * m.kv_lora_rank;
+      uint16_t* uk_t = model->derived.take_n<uint16_t>(static_cast<size_t>(mc.num_heads * m.kv_lora_rank * m.qk_nope_head_dim));
+      MOE_CUDA_CHECK(kernels::extract_uk_transposed(kv_b, static_cast<int>(mc.num_heads),
+                                                    static_cast<int>(m.qk_nope_head_dim),
+                                                    static_cast<int>(m.v_head_dim),
+                                                    static_cast<int>(m.kv_lora_rank), uk_t, nullptr));
+      d.uk_t = uk_t;
+    }
     d.sparse = lw.sparse;
     if (lw.sparse) {
       const MoeWeights& m = lw.moe;
@@ -170,6 +200,7 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     }
     model->layers.push_back(std::move(d));
   }
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
   return model;
 }
 

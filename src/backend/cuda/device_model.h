@@ -22,6 +22,11 @@ struct DeviceLayer {
   bool qkv_fused = false;
   const float* qkv_bias = nullptr;  // [(heads + 2 kv_heads) * head_dim] or null
   const float *q_norm = nullptr, *k_norm = nullptr;
+  // Latent attention (MLA): q_a/q_b (q_lora_rank > 0) or q; kv_a; the absorbed per-head
+  // projections: uk_t [heads, lora, nope] (derived at load) and uv, the value rows of kv_b
+  // (head h at uv + h * (nope + v) * lora, [v, lora]).
+  const uint16_t *q_a = nullptr, *q_b = nullptr, *kv_a = nullptr, *uk_t = nullptr, *uv = nullptr;
+  const float *q_a_norm = nullptr, *kv_a_norm = nullptr;
   // Feed-forward
   bool sparse = false;
   const uint16_t *mlp_gate_up = nullptr, *mlp_down = nullptr;  // dense layers
@@ -32,14 +37,15 @@ struct DeviceLayer {
 };
 
 struct DeviceModel {
-  DeviceArena mirror;  // bf16 matrices
-  DeviceArena small;   // f32 rank-1 tensors, rotary frequencies
+  DeviceArena mirror;   // bf16 matrices
+  DeviceArena small;    // f32 rank-1 tensors, rotary frequencies
+  DeviceArena derived;  // weights rearranged at load (latent attention's absorbed keys)
   const uint16_t* embed = nullptr;
   const uint16_t* lm_head = nullptr;
   const float* final_norm = nullptr;
   const float* inv_freq = nullptr;
   std::vector<DeviceLayer> layers;
-  size_t bytes() const { return mirror.capacity() + small.capacity(); }
+  size_t bytes() const { return mirror.capacity() + small.capacity() + derived.capacity(); }
 };
 
 struct DeviceLoad {
@@ -51,7 +57,8 @@ struct DeviceLoad {
   int64_t max_tokens = 0;  // largest step, for the experts' path choice
 };
 
-// Throws kUnsupported for what the CUDA path does not run yet (MLA, an output-projection bias).
+// Throws kUnsupported for what the CUDA path does not run yet (an output-projection bias, latent
+// widths past the kernels' limits).
 void check_cuda_supported(const ModelConfig& mc);
 std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const ModelConfig& mc,
                                                const DeviceLoad& opts);

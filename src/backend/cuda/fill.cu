@@ -22,7 +22,28 @@ __global__ void fill_random_kernel(uint16_t* dst, size_t count, uint64_t state) 
   }
 }
 
+__global__ void extract_uk_kernel(const uint16_t* __restrict__ kv_b, int heads, int nope, int v,
+                                  int lora, uint16_t* __restrict__ uk_t) {
+  const size_t total = static_cast<size_t>(heads) * lora * nope;
+  for (size_t idx = blockIdx.x * size_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += size_t(gridDim.x) * blockDim.x) {
+    const int i = static_cast<int>(idx % nope);
+    const int j = static_cast<int>((idx / nope) % lora);
+    const int h = static_cast<int>(idx / (static_cast<size_t>(nope) * lora));
+    uk_t[idx] = kv_b[(static_cast<size_t>(h) * (nope + v) + i) * lora + j];
+  }
+}
+
 }  // namespace
+
+cudaError_t extract_uk_transposed(const uint16_t* kv_b, int heads, int nope, int v, int lora,
+                                  uint16_t* uk_t, cudaStream_t stream) {
+  const size_t total = static_cast<size_t>(heads) * lora * nope;
+  if (total == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>(total / 256 + 1 < 65536 ? total / 256 + 1 : 65536);
+  extract_uk_kernel<<<blocks, 256, 0, stream>>>(kv_b, heads, nope, v, lora, uk_t);
+  return cudaGetLastError();
+}
 
 cudaError_t fill_random_bf16(uint16_t* dst, size_t count, uint64_t state, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;

@@ -14,4 +14,10 @@ namespace moe::cuda::kernels {
 // weights hold the same model.
 cudaError_t fill_random_bf16(uint16_t* dst, size_t count, uint64_t state, cudaStream_t stream);
 
+// Latent attention's absorbed key projection, per head: uk_t[h, j, i] = kv_b[h * (nope + v) + i, j]
+// for i < nope, j < lora (kv_b bf16 [heads * (nope + v), lora], as stored by DeepSeek), so that
+// q_lat = q_nope · W_UK_h is a product with a row-major [lora, nope] matrix.
+cudaError_t extract_uk_transposed(const uint16_t* kv_b, int heads, int nope, int v, int lora,
+                                  uint16_t* uk_t, cudaStream_t stream);
+
 }  // namespace moe::cuda::kernels

@@ -1,4 +1,5 @@
 #include "backend/cuda/gemv_launch.h"
+#include "backend/cuda/pdl.h"
 
 #include <cuda_bf16.h>
 
@@ -23,11 +24,22 @@ __device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) {
 // there are too few rows to give every multiprocessor work). A lane reads 8 consecutive k at a
 // time, kUnroll steps ahead, so each lane keeps kRowsPerGroup * kUnroll 16-byte loads in flight.
 // x (a few rows, shared by every warp) is read through L1.
+// Batch b (blockIdx.y) reads x + b * x_stride (rows ldx8 * 8 apart), w + b * w_stride and writes
+// y + b * y_stride: the per-head projections of latent attention.
+struct Batch {
+  int ldx8;  // 16-byte units between rows of x
+  long long x_stride8, w_stride8, y_stride;
+};
+
 template <int M, int KS>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const uint4* __restrict__ x,
                                                           const uint4* __restrict__ w, void* y,
-                                                          bool y_f32, int n, int k8, int ldy) {
+                                                          bool y_f32, int n, int k8, int ldy, Batch bt) {
+  begin_dependent();  // first: see pdl.h
   constexpr int kGroups = kWarps / KS;
+  x += blockIdx.y * bt.x_stride8;
+  w += blockIdx.y * bt.w_stride8;
+  const size_t y_base = blockIdx.y * static_cast<size_t>(bt.y_stride);
   __shared__ float partial[KS > 1 ? kWarps : 1][kRowsPerGroup][M];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp / KS, part = warp % KS;
@@ -56,7 +68,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const uint4* __restri
 #pragma unroll
         for (int m = 0; m < M; ++m) {
           float xf[8];
-          unpack(__ldg(x + static_cast<size_t>(m) * k8 + c), xf);
+          unpack(__ldg(x + static_cast<size_t>(m) * bt.ldx8 + c), xf);
 #pragma unroll
           for (int r = 0; r < kRowsPerGroup; ++r)
 #pragma unroll
@@ -98,7 +110,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const uint4* __restri
     if (row0 + r >= n) break;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      const size_t at = static_cast<size_t>(m) * ldy + row0 + r;
+      const size_t at = y_base + static_cast<size_t>(m) * ldy + row0 + r;
       if (y_f32)
         static_cast<float*>(y)[at] = acc[r][m];
       else
@@ -109,10 +121,11 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const uint4* __restri
 
 template <int M, int KS>
 cudaError_t launch_split(const void* x, const void* w, void* y, bool y_f32, int n, int k, int ldy,
-                         cudaStream_t stream) {
+                         int batch, const Batch& bt, cudaStream_t stream) {
   const int rows_per_block = (kWarps / KS) * kRowsPerGroup;
-  gemv_kernel<M, KS><<<(n + rows_per_block - 1) / rows_per_block, kWarps * 32, 0, stream>>>(
-      static_cast<const uint4*>(x), static_cast<const uint4*>(w), y, y_f32, n, k / 8, ldy);
+  const dim3 grid((n + rows_per_block - 1) / rows_per_block, batch);
+  launch_dependent(gemv_kernel<M, KS>, grid, kWarps * 32, 0, stream,
+      static_cast<const uint4*>(x), static_cast<const uint4*>(w), y, y_f32, n, k / 8, ldy, bt);
   return cudaGetLastError();
 }
 
@@ -120,30 +133,40 @@ cudaError_t launch_split(const void* x, const void* w, void* y, bool y_f32, int 
 // 128 rows; the shared-expert gate: 1 row). 264 blocks: two per multiprocessor of an H100.
 template <int M>
 cudaError_t launch(const void* x, const void* w, void* y, bool y_f32, int n, int k, int ldy,
-                   cudaStream_t stream) {
-  const int blocks_unsplit = (n + kWarps * kRowsPerGroup - 1) / (kWarps * kRowsPerGroup);
-  if (blocks_unsplit >= 264 || k < 8 * 32 * 2) return launch_split<M, 1>(x, w, y, y_f32, n, k, ldy, stream);
-  if (blocks_unsplit >= 66 || k < 8 * 32 * 8) return launch_split<M, 4>(x, w, y, y_f32, n, k, ldy, stream);
-  return launch_split<M, 8>(x, w, y, y_f32, n, k, ldy, stream);
+                   int batch, const Batch& bt, cudaStream_t stream) {
+  const int blocks_unsplit = batch * ((n + kWarps * kRowsPerGroup - 1) / (kWarps * kRowsPerGroup));
+  if (blocks_unsplit >= 264 || k < 8 * 32 * 2)
+    return launch_split<M, 1>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+  if (blocks_unsplit >= 66 || k < 8 * 32 * 8)
+    return launch_split<M, 4>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+  return launch_split<M, 8>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
 }
 
 }  // namespace
 
+cudaError_t gemv_bf16_batched(const void* x, int ldx, long long x_stride, const void* w,
+                              long long w_stride, void* y, bool y_f32, int ldy, long long y_stride,
+                              int rows, int n, int k, int batch, cudaStream_t stream) {
+  const bool aligned = (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 == 0;
+  if (rows < 1 || rows > kGemvMaxRows || n < 1 || k < 8 || k % 8 != 0 || ldy < n || !aligned ||
+      batch < 1 || batch > 65535 || ldx < k || ldx % 8 != 0 || x_stride % 8 != 0 || w_stride % 8 != 0)
+    return cudaErrorInvalidValue;
+  const Batch bt{ldx / 8, x_stride / 8, w_stride / 8, y_stride};
+  switch (rows) {
+    case 1: return launch<1>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+    case 2: return launch<2>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+    case 3: return launch<3>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+    case 4: return launch<4>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+    case 5: return launch<5>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+    case 6: return launch<6>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+    case 7: return launch<7>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+    default: return launch<8>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+  }
+}
+
 cudaError_t gemv_bf16(const void* x, const void* w, void* y, bool y_f32, int rows, int n, int k,
                       int ldy, cudaStream_t stream) {
-  const bool aligned = (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 == 0;
-  if (rows < 1 || rows > kGemvMaxRows || n < 1 || k < 8 || k % 8 != 0 || ldy < n || !aligned)
-    return cudaErrorInvalidValue;
-  switch (rows) {
-    case 1: return launch<1>(x, w, y, y_f32, n, k, ldy, stream);
-    case 2: return launch<2>(x, w, y, y_f32, n, k, ldy, stream);
-    case 3: return launch<3>(x, w, y, y_f32, n, k, ldy, stream);
-    case 4: return launch<4>(x, w, y, y_f32, n, k, ldy, stream);
-    case 5: return launch<5>(x, w, y, y_f32, n, k, ldy, stream);
-    case 6: return launch<6>(x, w, y, y_f32, n, k, ldy, stream);
-    case 7: return launch<7>(x, w, y, y_f32, n, k, ldy, stream);
-    default: return launch<8>(x, w, y, y_f32, n, k, ldy, stream);
-  }
+  return gemv_bf16_batched(x, k, 0, w, 0, y, y_f32, ldy, 0, rows, n, k, 1, stream);
 }
 
 }  // namespace moe::cuda::kernels

@@ -15,4 +15,10 @@ constexpr int kGemvMaxRows = 8;
 cudaError_t gemv_bf16(const void* x, const void* w, void* y, bool y_f32, int rows, int n, int k,
                       int ldy, cudaStream_t stream);
 
+// `batch` independent products: batch b uses x + b * x_stride (rows ldx apart), w + b * w_stride
+// and y + b * y_stride (all in elements; ldx and the x and w strides multiples of 8).
+cudaError_t gemv_bf16_batched(const void* x, int ldx, long long x_stride, const void* w,
+                              long long w_stride, void* y, bool y_f32, int ldy, long long y_stride,
+                              int rows, int n, int k, int batch, cudaStream_t stream);
+
 }  // namespace moe::cuda::kernels

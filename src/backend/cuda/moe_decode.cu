@@ -1,20 +1,45 @@
-// Small-M (decode) routed-expert path, from lab/cuda/moe_decode_v2 (its best variant), and the
-// plan and combine kernels that the grouped GEMM path (moe_prefill.cu) shares. A device-side
-// plan, then per touched expert each bf16 weight row is read once, with 16-byte loads, and
-// applied to all of that expert's tokens; four launches, no host round trip, nothing allocated
-// per call. Tile choices (4 warps per block, 3 blocks per SM) came from the lab sweep.
+// Small-M (decode) routed-expert path, and the plan and combine kernels that the grouped GEMM
+// paths (moe_prefill.cu, moe_wgmma.cu) share. Per touched expert each bf16 weight row is read
+// once, with 16-byte streaming loads, and applied to all of that expert's tokens.
+//
+// Two forms, switched at heuristics::kGemvDirectMaxSlots routed slots (lab/cuda/NOTES.md, "GEMV
+// v4"):
+//  - direct (decode, M of 1 to 3): no plan kernel; the warps read the ids themselves (one slot
+//    per lane). Persistent grids (a warp loops over weight rows: no block churn, no tail of short
+//    blocks) chained by programmatic dependent launch, so each grid is resident before its
+//    predecessor ends: the down GEMV issues its first weight loads while gate_up drains, the
+//    combine has no launch gap. act and the f32 partial sums are kept by slot.
+//  - grouped (v2, up to the switch to the GEMM path): the plan, then one short block per touched
+//    expert and 4 rows; act by position in the plan's order, partial sums by slot.
+// Nothing allocated, the counts only on the device, every output summed in a fixed order.
 // Only CUDA headers here: the host side (checks, errors, uploads) is in cuda_moe.cpp.
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include "backend/cuda/moe_decode_launch.h"
+#include "backend/cuda/moe_heuristics.h"
 
 namespace moe::cuda::kernels {
 
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kMinBlocks = 3;
 constexpr int kPlanThreads = 1024;
+constexpr int kGemvWarps = 4;      // per block
+constexpr int kGemvMinBlocks = 3;  // per SM: caps registers at 168 (12 warps, ~8 KB in flight each)
+constexpr int kDirectMaxSlots = 32;  // one slot per lane
+static_assert(heuristics::kGemvDirectMaxSlots <= kDirectMaxSlots, "one routed slot per lane");
+constexpr int kGroupedWarps = 4;      // v2's sweep: 4 warps per block, 3 blocks per SM
+constexpr int kGroupedMinBlocks = 3;
+
+// Programmatic dependent launch (PTX griddepcontrol; no-ops in a grid launched without it).
+__device__ __forceinline__ void allow_dependent_launch() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+// Returns once the preceding grid has completed and its writes are visible.
+__device__ __forceinline__ void wait_preceding_grid() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
 
 // Slots of one warp that share an expert are counted or placed with one shared atomic by the
 // lowest such lane (warp-aggregated): "every token on one expert" would otherwise serialise
@@ -40,6 +65,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
   __shared__ int cursor[kMaxExperts];
   __shared__ int tile_start[kMaxExperts + 1];
   __shared__ int total_tiles;
+  allow_dependent_launch();  // the GEMV's gate_up grid gets resident and waits for this one
   const int lane = threadIdx.x % 32;
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
   __syncthreads();
@@ -103,6 +129,17 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
   }
 }
 
+
+// Weights are read once per forward: no L1 allocation (x and act stay there), 256-byte L2
+// fetches (a warp reads whole rows, so the extra sectors are always used).
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ float dot8(uint4 w, uint4 x) {
   const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&w);
   const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&x);
@@ -122,10 +159,260 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// The routed slots as one warp sees them, straight from the ids (lane s holds slot s's
+// expert; no plan needed): the active experts, ascending, and each one's slots. All methods are
+// warp-collective.
+struct Routing {
+  int id;    // -1 past the slots
+  int head;  // 1 on the lowest slot of each expert
+  int rank;  // of id among the distinct experts
+  int count;
+
+  __device__ Routing(const int* ids, int slots) {
+    const int lane = threadIdx.x % 32;
+    id = lane < slots ? __ldg(ids + lane) : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, id);
+    head = id >= 0 && lane == __ffs(peers) - 1;
+    rank = 0;
+#pragma unroll 4
+    for (int s = 0; s < kDirectMaxSlots; ++s) {
+      const int v = __shfl_sync(0xffffffffu, id, s), h = __shfl_sync(0xffffffffu, head, s);
+      rank += h && v < id;
+    }
+    count = __popc(__ballot_sync(0xffffffffu, head));
+  }
+  __device__ int num_active() const { return count; }
+  __device__ int expert(int a) const {
+    const int src = __ffs(__ballot_sync(0xffffffffu, head && rank == a)) - 1;
+    return __shfl_sync(0xffffffffu, id, src);
+  }
+  template <typename F>
+  __device__ void for_slots(int e, F&& f) const {
+    for (unsigned m = __ballot_sync(0xffffffffu, id == e); m != 0; m &= m - 1) f(__ffs(m) - 1);
+  }
+};
+
+// Persistent: warp w of the grid takes items w, w + warps, ...; item = (active expert, row j):
+// the gate and up rows j (C 16-byte chunks per lane each, all loads issued before the first
+// use), applied to each of the expert's slots; act[slot, j] = bf16(SiLU(gate) * up).
+// Consecutive warps take consecutive rows, so the whole grid streams one region of memory.
+template <int C>  // C: ceil(hidden / 256)
+__global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) gate_up_kernel(
+    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_gate_up,
+    const int* __restrict__ ids, int slots, int hidden, int inter, int top_k,
+    __nv_bfloat16* __restrict__ act) {
+  wait_preceding_grid();  // chained after the router, whose ids it reads
+  allow_dependent_launch();
+  const Routing route(ids, slots);
+  const int lane = threadIdx.x % 32;
+  const int chunks = hidden / 8;
+  const int total = route.num_active() * inter;
+  for (int item = blockIdx.x * kGemvWarps + threadIdx.x / 32; item < total;
+       item += gridDim.x * kGemvWarps) {
+    const int e = route.expert(item / inter), j = item % inter;
+    const uint4* g = reinterpret_cast<const uint4*>(w_gate_up + ((size_t)e * 2 * inter + j) * hidden);
+    const uint4* u = g + (size_t)inter * chunks;
+    // Indices clamped into the row so that every load issues unconditionally; chunks past the
+    // row's end are zeroed after loading.
+    uint4 gr[C], ur[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int idx = min(c * 32 + lane, chunks - 1);
+      gr[c] = load_stream(g + idx);
+      ur[c] = load_stream(u + idx);
+    }
+#pragma unroll
+    for (int c = 0; c < C; ++c)
+      if (c * 32 + lane >= chunks) gr[c] = ur[c] = make_uint4(0, 0, 0, 0);
+    route.for_slots(e, [&](int s) {
+      const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(s / top_k) * hidden);
+      float gs = 0.f, us = 0.f;
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        const uint4 xv = __ldg(xr + min(c * 32 + lane, chunks - 1));
+        gs += dot8(gr[c], xv);
+        us += dot8(ur[c], xv);
+      }
+      gs = warp_sum(gs);
+      us = warp_sum(us);
+      if (lane == 0) act[(size_t)s * inter + j] = __float2bfloat16(gs / (1.f + __expf(-gs)) * us);
+    });
+  }
+}
+
+// Rows of down per warp item: 8 to 16 loads of 16 bytes in flight per lane (past 6 chunks two
+// rows spill at the 168-register cap).
+constexpr int down_rows(int chunks) { return chunks <= 2 ? 8 : chunks <= 4 ? 4 : chunks <= 6 ? 2 : 1; }
+
+// Persistent like gate_up; item = (active expert, R consecutive rows of down). The first item's
+// weights are loaded before waiting for gate_up (they do not depend on it): that is what fills
+// gate_up's tail. part[slot, h] = weight[slot] * (down[h] . act[slot]).
+template <int C>  // C: ceil(inter / 256)
+__global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
+    const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ w_down,
+    const int* __restrict__ ids, int slots, const float* __restrict__ weights,
+    int hidden, int inter, float* __restrict__ part) {
+  constexpr int R = down_rows(C);
+  allow_dependent_launch();
+  const Routing route(ids, slots);
+  const int lane = threadIdx.x % 32;
+  const int chunks = inter / 8;
+  const int groups = (hidden + R - 1) / R;
+  const int total = route.num_active() * groups;
+  const int stride = gridDim.x * kGemvWarps;
+  int item = blockIdx.x * kGemvWarps + threadIdx.x / 32;
+  uint4 wr[R][C];
+  auto load = [&](int it) {
+    const int e = route.expert(it / groups), h0 = (it % groups) * R;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint4* w = reinterpret_cast<const uint4*>(
+          w_down + ((size_t)e * hidden + min(h0 + r, hidden - 1)) * inter);
+#pragma unroll
+      for (int c = 0; c < C; ++c) wr[r][c] = load_stream(w + min(c * 32 + lane, chunks - 1));
+    }
+  };
+  if (item < total) load(item);
+  wait_preceding_grid();  // act
+  for (; item < total; item += stride) {
+    if (item != blockIdx.x * kGemvWarps + threadIdx.x / 32) load(item);
+    const int e = route.expert(item / groups), h0 = (item % groups) * R;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int c = 0; c < C; ++c)
+        if (c * 32 + lane >= chunks) wr[r][c] = make_uint4(0, 0, 0, 0);
+    route.for_slots(e, [&](int s) {
+      const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)s * inter);
+      uint4 av[C];
+#pragma unroll
+      for (int c = 0; c < C; ++c) av[c] = __ldcg(ar + min(c * 32 + lane, chunks - 1));
+      float mine = 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float v = 0.f;
+#pragma unroll
+        for (int c = 0; c < C; ++c) v += dot8(wr[r][c], av[c]);
+        v = warp_sum(v);
+        if (lane == r) mine = v;
+      }
+      if (lane < R && h0 + lane < hidden) part[(size_t)s * hidden + h0 + lane] = __ldg(weights + s) * mine;
+    });
+  }
+}
+
+// y[t, h] = sum over the k slots of token t, in slot order: deterministic. Eight outputs per
+// thread (hidden is a multiple of 8), 16-byte stores. The partial sums are read through L2
+// (__ldcg): in the GEMV path this grid starts before the down grid has finished.
+template <typename Part>
+__global__ void combine_kernel(const Part* __restrict__ part, int tokens, int top_k, int hidden,
+                               __nv_bfloat16* __restrict__ y) {
+  wait_preceding_grid();
+  const int groups = hidden / 8;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= tokens * groups) return;
+  const int t = i / groups, h = (i % groups) * 8;
+  float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int j = 0; j < top_k; ++j) {
+    const Part* p = part + ((size_t)t * top_k + j) * hidden + h;
+    if constexpr (sizeof(Part) == 4) {
+      const float4 a = __ldcg(reinterpret_cast<const float4*>(p));
+      const float4 b = __ldcg(reinterpret_cast<const float4*>(p) + 1);
+      s[0] += a.x, s[1] += a.y, s[2] += a.z, s[3] += a.w;
+      s[4] += b.x, s[5] += b.y, s[6] += b.z, s[7] += b.w;
+    } else {
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
+      const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float2 f = __bfloat1622float2(q[c]);
+        s[2 * c] += f.x, s[2 * c + 1] += f.y;
+      }
+    }
+  }
+  uint4 out;
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) o[c] = __floats2bfloat162_rn(s[2 * c], s[2 * c + 1]);
+  *reinterpret_cast<uint4*>(y + (size_t)t * hidden + h) = out;
+}
+
+// The register arrays need a compile-time size: one instantiation per chunk count.
+template <typename F>
+cudaError_t with_chunks(int width, F&& f) {
+  switch ((width / 8 + 31) / 32) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+// A persistent grid: enough blocks for the items, at most as many as fit on the device at once.
+template <typename Kernel>
+int persistent_blocks(Kernel kernel, long long items) {
+  static const int per_sm = [&] {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kGemvWarps * 32, 0) != cudaSuccess)
+      n = 1;
+    return n > 0 ? n : 1;
+  }();
+  int device = 0, sms = 1;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const long long wanted = (items + kGemvWarps - 1) / kGemvWarps;
+  const long long cap = (long long)per_sm * sms;
+  return (int)(wanted < cap ? (wanted > 0 ? wanted : 1) : cap);
+}
+
+// `chained`: launched with programmatic stream serialisation (the kernel waits for its
+// predecessor with griddepcontrol.wait; the predecessor lets it start early).
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), int blocks, int threads, bool chained,
+                   cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(threads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = chained ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
+cudaError_t launch_direct(const ExpertBuffers& b, const void* x, const int* ids,
+                        const float* weights, int tokens, cudaStream_t stream) {
+  const int slots = tokens * b.top_k;
+  const long long max_active = b.experts < slots ? b.experts : slots;
+  const auto* xb = static_cast<const __nv_bfloat16*>(x);
+  auto* act = static_cast<__nv_bfloat16*>(b.act);
+  cudaError_t err = with_chunks(b.hidden, [&](auto c) {
+    auto* k = gate_up_kernel<decltype(c)::value>;
+    return launch(k, persistent_blocks(k, max_active * b.inter), kGemvWarps * 32, true, stream,
+                  xb, static_cast<const __nv_bfloat16*>(b.gate_up), ids, slots, b.hidden,
+                  b.inter, b.top_k, act);
+  });
+  if (err != cudaSuccess) return err;
+  return with_chunks(b.inter, [&](auto c) {
+    constexpr int C = decltype(c)::value;
+    auto* k = down_kernel<C>;
+    const long long groups = (b.hidden + down_rows(C) - 1) / down_rows(C);
+    return launch(k, persistent_blocks(k, max_active * groups), kGemvWarps * 32, true, stream,
+                  static_cast<const __nv_bfloat16*>(act), static_cast<const __nv_bfloat16*>(b.down),
+                  ids, slots, weights, b.hidden, b.inter, static_cast<float*>(b.part));
+  });
+}
+
 // blockIdx.x: index into the touched experts (blocks past their count exit); blockIdx.y: a tile
-// of kWarps intermediate rows, one per warp.
+// of kGroupedWarps intermediate rows, one per warp.
 template <int C>  // 16-byte chunks of a weight row per lane: ceil(hidden / 256)
-__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) gate_up_kernel(
+__global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped_gate_up_kernel(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_gate_up,
     const int* __restrict__ offsets, const int* __restrict__ order, const int* __restrict__ active,
     const int* __restrict__ num_active, int hidden, int inter, int top_k,
@@ -133,7 +420,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) gate_up_kernel(
   if (blockIdx.x >= *num_active) return;
   const int e = active[blockIdx.x];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int j = blockIdx.y * kWarps + warp;
+  const int j = blockIdx.y * kGroupedWarps + warp;
   if (j >= inter) return;
   const int chunks = hidden / 8;
   const uint4* g = reinterpret_cast<const uint4*>(w_gate_up + ((size_t)e * 2 * inter + j) * hidden);
@@ -166,7 +453,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) gate_up_kernel(
 }
 
 template <int C>  // ceil(inter / 256)
-__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) down_kernel(
+__global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped_down_kernel(
     const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ w_down,
     const int* __restrict__ offsets, const int* __restrict__ order, const int* __restrict__ active,
     const int* __restrict__ num_active, const float* __restrict__ weights, int hidden, int inter,
@@ -174,7 +461,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) down_kernel(
   if (blockIdx.x >= *num_active) return;
   const int e = active[blockIdx.x];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int h = blockIdx.y * kWarps + warp;
+  const int h = blockIdx.y * kGroupedWarps + warp;
   if (h >= hidden) return;
   const int chunks = inter / 8;
   const uint4* w = reinterpret_cast<const uint4*>(w_down + ((size_t)e * hidden + h) * inter);
@@ -195,81 +482,45 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) down_kernel(
   }
 }
 
-// y[t, h] = sum over the k slots of token t, in slot order: deterministic. Eight outputs per
-// thread (hidden is a multiple of 8), 16-byte stores.
-template <typename Part>
-__global__ void combine_kernel(const Part* __restrict__ part, int tokens, int top_k, int hidden,
-                               __nv_bfloat16* __restrict__ y) {
-  const int groups = hidden / 8;
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= tokens * groups) return;
-  const int t = i / groups, h = (i % groups) * 8;
-  float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int j = 0; j < top_k; ++j) {
-    const Part* p = part + ((size_t)t * top_k + j) * hidden + h;
-    if constexpr (sizeof(Part) == 4) {
-      const float4 a = __ldg(reinterpret_cast<const float4*>(p));
-      const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-      s[0] += a.x, s[1] += a.y, s[2] += a.z, s[3] += a.w;
-      s[4] += b.x, s[5] += b.y, s[6] += b.z, s[7] += b.w;
-    } else {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
-      const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const float2 f = __bfloat1622float2(q[c]);
-        s[2 * c] += f.x, s[2 * c + 1] += f.y;
-      }
-    }
-  }
-  uint4 out;
-  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-  for (int c = 0; c < 4; ++c) o[c] = __floats2bfloat162_rn(s[2 * c], s[2 * c + 1]);
-  *reinterpret_cast<uint4*>(y + (size_t)t * hidden + h) = out;
-}
-
 template <int C>
-void launch_gate_up(dim3 grid, cudaStream_t stream, const __nv_bfloat16* x, const ExpertBuffers& b,
+void launch_grouped_gate_up(dim3 grid, cudaStream_t stream, const __nv_bfloat16* x, const ExpertBuffers& b,
                     __nv_bfloat16* act) {
-  gate_up_kernel<C><<<grid, kWarps * 32, 0, stream>>>(
+  grouped_gate_up_kernel<C><<<grid, kGroupedWarps * 32, 0, stream>>>(
       x, static_cast<const __nv_bfloat16*>(b.gate_up), b.offsets, b.order, b.active, b.num_active,
       b.hidden, b.inter, b.top_k, act);
 }
 
 template <int C>
-void launch_down(dim3 grid, cudaStream_t stream, const __nv_bfloat16* act, const float* weights,
+void launch_grouped_down(dim3 grid, cudaStream_t stream, const __nv_bfloat16* act, const float* weights,
                  const ExpertBuffers& b) {
-  down_kernel<C><<<grid, kWarps * 32, 0, stream>>>(act, static_cast<const __nv_bfloat16*>(b.down),
+  grouped_down_kernel<C><<<grid, kGroupedWarps * 32, 0, stream>>>(act, static_cast<const __nv_bfloat16*>(b.down),
                                                    b.offsets, b.order, b.active, b.num_active,
                                                    weights, b.hidden, b.inter, static_cast<float*>(b.part));
 }
 
-// The register arrays must have a compile-time size: one instantiation per chunk count.
-template <template <int> class Launcher, typename... Args>
-void dispatch_chunks(int width, Args&&... args) {
-  switch ((width / 8 + 31) / 32) {
-    case 1: Launcher<1>::run(args...); break;
-    case 2: Launcher<2>::run(args...); break;
-    case 3: Launcher<3>::run(args...); break;
-    case 4: Launcher<4>::run(args...); break;
-    case 5: Launcher<5>::run(args...); break;
-    case 6: Launcher<6>::run(args...); break;
-    case 7: Launcher<7>::run(args...); break;
-    default: Launcher<8>::run(args...); break;
-  }
-}
 
-template <int C>
-struct GateUp {
-  template <typename... A>
-  static void run(A&&... a) { launch_gate_up<C>(a...); }
-};
-template <int C>
-struct Down {
-  template <typename... A>
-  static void run(A&&... a) { launch_down<C>(a...); }
-};
+// Past kGemvDirectMaxSlots: the plan, then one short block per (touched expert, 4 rows), from
+// lab/cuda/moe_decode_v2. The persistent kernels above, fed by the plan instead of the ids, ran
+// 5-15% slower here (each item's expert, offsets and slot list cost dependent L2 round trips
+// before its weight loads could issue; lab/cuda/NOTES.md).
+cudaError_t launch_grouped(const ExpertBuffers& b, const void* x, const float* weights, int tokens,
+                           cudaStream_t stream) {
+  const int slots = tokens * b.top_k;
+  const int max_active = b.experts < slots ? b.experts : slots;
+  const auto* xb = static_cast<const __nv_bfloat16*>(x);
+  auto* act = static_cast<__nv_bfloat16*>(b.act);
+  const dim3 gate_up_grid(max_active, (b.inter + kGroupedWarps - 1) / kGroupedWarps);
+  const dim3 down_grid(max_active, (b.hidden + kGroupedWarps - 1) / kGroupedWarps);
+  with_chunks(b.hidden, [&](auto c) {
+    launch_grouped_gate_up<decltype(c)::value>(gate_up_grid, stream, xb, b, act);
+    return cudaSuccess;
+  });
+  with_chunks(b.inter, [&](auto c) {
+    launch_grouped_down<decltype(c)::value>(down_grid, stream, act, weights, b);
+    return cudaSuccess;
+  });
+  return cudaGetLastError();
+}
 
 }  // namespace
 
@@ -281,33 +532,38 @@ cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int 
   return cudaGetLastError();
 }
 
-cudaError_t launch_combine(const ExpertBuffers& b, int tokens, bool part_bf16, void* y,
-                           cudaStream_t stream) {
+namespace {
+
+cudaError_t combine(const ExpertBuffers& b, int tokens, bool part_bf16, bool chained, void* y,
+                    cudaStream_t stream) {
   const int total = tokens * (b.hidden / 8);
   auto* yb = static_cast<__nv_bfloat16*>(y);
+  const int blocks = (total + 255) / 256;
   if (part_bf16)
-    combine_kernel<<<(total + 255) / 256, 256, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(b.part), tokens, b.top_k, b.hidden, yb);
-  else
-    combine_kernel<<<(total + 255) / 256, 256, 0, stream>>>(static_cast<const float*>(b.part),
-                                                           tokens, b.top_k, b.hidden, yb);
-  return cudaGetLastError();
+    return launch(combine_kernel<__nv_bfloat16>, blocks, 256, chained, stream,
+                  static_cast<const __nv_bfloat16*>(b.part), tokens, b.top_k, b.hidden, yb);
+  return launch(combine_kernel<float>, blocks, 256, chained, stream,
+                static_cast<const float*>(b.part), tokens, b.top_k, b.hidden, yb);
+}
+
+}  // namespace
+
+cudaError_t launch_combine(const ExpertBuffers& b, int tokens, bool part_bf16, void* y,
+                           cudaStream_t stream) {
+  return combine(b, tokens, part_bf16, false, y, stream);
 }
 
 cudaError_t launch_decode(const ExpertBuffers& b, const void* x, const int* ids,
                           const float* weights, int tokens, void* y, cudaStream_t stream) {
-  const int slots = tokens * b.top_k;
-  const int max_active = b.experts < slots ? b.experts : slots;
-  const auto* xb = static_cast<const __nv_bfloat16*>(x);
-  auto* act = static_cast<__nv_bfloat16*>(b.act);
-  cudaError_t err = launch_plan(b, ids, tokens, 0, stream);
+  cudaError_t err;
+  if (tokens * b.top_k <= heuristics::kGemvDirectMaxSlots) {
+    err = launch_direct(b, x, ids, weights, tokens, stream);
+  } else {
+    err = launch_plan(b, ids, tokens, 0, stream);
+    if (err == cudaSuccess) err = launch_grouped(b, x, weights, tokens, stream);
+  }
   if (err != cudaSuccess) return err;
-  dispatch_chunks<GateUp>(b.hidden, dim3(max_active, (b.inter + kWarps - 1) / kWarps), stream, xb, b, act);
-  dispatch_chunks<Down>(b.inter, dim3(max_active, (b.hidden + kWarps - 1) / kWarps), stream,
-                        static_cast<const __nv_bfloat16*>(act), weights, b);
-  err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  return launch_combine(b, tokens, false, y, stream);
+  return combine(b, tokens, false, true, y, stream);
 }
 
 }  // namespace moe::cuda::kernels

@@ -40,8 +40,19 @@ constexpr int64_t kMaxTokens = 16384;
 // expert on average (M * k / min(E, M * k)). Measured on an H200 (both paths timed at each M by
 // moe-bench layer --device cuda, 2026-11-21): qwen3 M = 8 (1 slot per expert) GEMV 138 µs vs
 // GEMM 153; M = 32 (2 per expert) GEMV 343 vs GEMM 273; deepseek-v2-lite M = 8 (1 per expert)
-// 180 vs 176, M = 32 (3 per expert) 415 vs 288. The switch sits between 1 and 2.
-constexpr double kGemvMaxSlotsPerExpert = 1.5;
+// 180 vs 176, M = 32 (3 per expert) 415 vs 288. The switch sits between 1 and 2. On an H100
+// (build/gemvH bench, graph replays, L2 flushed, 2026-11-21), GEMV vs wgmma, µs: qwen3 M = 8
+// (ratio 1.0) 190 vs 195, M = 16 (1.0) 290 vs 289, M = 32 (2.0) 407 vs 387; deepseek-v2-lite
+// M = 8 (1.0) 247 vs 254, M = 16 (1.5) 354 vs 344, M = 32 (3.0) 444 vs 386: 1.5 kept deepseek's
+// M = 16 on the slower GEMV, hence 1.25.
+constexpr double kGemvMaxSlotsPerExpert = 1.25;
+// Up to this many routed slots (M * k) the GEMV runs without the plan kernel, on persistent grids
+// chained by programmatic dependent launch (at most 32: one slot per lane). Measured on an H100
+// against the plan + short-block form, µs: qwen3 M = 1 (8 slots) 39.7 vs 48.4, M = 2 (16) 66.9
+// vs 71.4, M = 3 (24) 92.5 vs 97.1, M = 4 (32) 123.2 vs 124.2; deepseek-v2-lite M = 1 (6) 50.2 vs
+// 58.6, M = 2 (12) 90.0 vs 93.5, M = 3 (18) 114.6 vs 116.5, M = 4 (24) 147.1 vs 144.5. The fixed
+// cost it saves (plan launch, launch gaps) stays ~5 µs while its per-row latency grows with M.
+constexpr int kGemvDirectMaxSlots = 24;
 // The GEMV keeps f32 partial sums [slots, hidden]; the GEMM path keeps bf16 ones (half the
 // traffic at prefill sizes). Where both paths exist the workspace holds the bf16 sums for
 // max_tokens and f32 ones for at most this many tokens, the GEMV's limit there.

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "backend/cuda/ops_launch.h"
+#include "backend/cuda/pdl.h"
 
 namespace moe::cuda::kernels {
 
@@ -47,6 +48,7 @@ __device__ float block_sum(float v, float* red) {
 // One block per token; 8 bf16 (16 bytes) per thread per step when `vec`.
 __global__ void embed_kernel(const uint16_t* __restrict__ table, const int32_t* __restrict__ ids,
                              int hidden, int vocab, bool vec, float* __restrict__ out) {
+  begin_dependent();  // first: see pdl.h
   const int t = blockIdx.x;
   const int id = ids[t];
   const bool ok = id >= 0 && id < vocab;
@@ -82,6 +84,7 @@ __global__ void add_rms_norm_kernel(float* __restrict__ x, const float* __restri
                                     const uint16_t* __restrict__ b1, const uint16_t* __restrict__ b2,
                                     const float* __restrict__ weight, int width, float eps,
                                     bool vec, uint16_t* __restrict__ out) {
+  begin_dependent();  // first: see pdl.h
   __shared__ float red[32];
   const size_t base = static_cast<size_t>(blockIdx.x) * width;
   const float* src = in ? in + base : x + base;
@@ -152,7 +155,7 @@ cudaError_t launch_norm(float* x, const float* in, const uint16_t* b1, const uin
   int threads = vec ? (n4 + kNormChunks - 1) / kNormChunks : width;
   threads = ((threads + 31) / 32) * 32;
   threads = threads < 64 ? 64 : (threads > kNormMaxThreads ? kNormMaxThreads : threads);
-  add_rms_norm_kernel<<<rows, threads, 0, stream>>>(x, in, b1, b2, weight, width, eps, vec, out);
+  launch_dependent(add_rms_norm_kernel, rows, threads, 0, stream, x, in, b1, b2, weight, width, eps, vec, out);
   return cudaGetLastError();
 }
 
@@ -163,6 +166,7 @@ __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f
 // Grid-stride over tokens * inter / 8 chunks when `vec` (inter % 8 == 0), else over elements.
 __global__ void silu_mul_kernel(const uint16_t* __restrict__ gu, int tokens, int inter, bool vec,
                                 uint16_t* __restrict__ act) {
+  begin_dependent();  // first: see pdl.h
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   if (vec) {
     const int per = inter / 8;
@@ -191,6 +195,7 @@ __global__ void silu_mul_kernel(const uint16_t* __restrict__ gu, int tokens, int
 
 __global__ void sigmoid_scale_kernel(uint16_t* __restrict__ y, const float* __restrict__ gate,
                                      int rows, int width, bool vec) {
+  begin_dependent();  // first: see pdl.h
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const int per = vec ? width / 8 : width;
   const size_t n = static_cast<size_t>(rows) * per;
@@ -226,6 +231,7 @@ constexpr int kQkvPairsPerLane = kQkvMaxHeadDim / 2 / 32;
 // unrotated pairs, so the norm, clip and rotation of a pair never leave the lane.
 __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const float* __restrict__ qkv,
                                                              QkvParams p) {
+  begin_dependent();  // first: see pdl.h
   __shared__ float red[32];
   __shared__ float full_inv[2];
   const int t = blockIdx.x;
@@ -340,7 +346,7 @@ cudaError_t embed(const uint16_t* table, const int32_t* ids, int tokens, int hid
   const int work = vec ? hidden / 8 : hidden;
   int threads = ((work + 31) / 32) * 32;
   threads = threads > 256 ? 256 : threads;
-  embed_kernel<<<tokens, threads, 0, stream>>>(table, ids, hidden, vocab, vec, out);
+  launch_dependent(embed_kernel, tokens, threads, 0, stream, table, ids, hidden, vocab, vec, out);
   return cudaGetLastError();
 }
 
@@ -362,7 +368,7 @@ cudaError_t silu_mul(const uint16_t* gate_up, int tokens, int inter, uint16_t* a
   if (tokens == 0) return cudaGetLastError();
   const bool vec = inter % 8 == 0 && aligned16(gate_up) && aligned16(act);
   const size_t work = static_cast<size_t>(tokens) * (vec ? inter / 8 : inter);
-  silu_mul_kernel<<<grid_for(work, 256), 256, 0, stream>>>(gate_up, tokens, inter, vec, act);
+  launch_dependent(silu_mul_kernel, grid_for(work, 256), 256, 0, stream, gate_up, tokens, inter, vec, act);
   return cudaGetLastError();
 }
 
@@ -372,7 +378,7 @@ cudaError_t sigmoid_scale_rows(uint16_t* y, const float* gate, int rows, int wid
   if (rows == 0) return cudaGetLastError();
   const bool vec = width % 8 == 0 && aligned16(y);
   const size_t work = static_cast<size_t>(rows) * (vec ? width / 8 : width);
-  sigmoid_scale_kernel<<<grid_for(work, 256), 256, 0, stream>>>(y, gate, rows, width, vec);
+  launch_dependent(sigmoid_scale_kernel, grid_for(work, 256), 256, 0, stream, y, gate, rows, width, vec);
   return cudaGetLastError();
 }
 
@@ -386,7 +392,7 @@ cudaError_t prepare_qkv(const float* qkv, const QkvParams& p, cudaStream_t strea
   if (p.tokens == 0) return cudaGetLastError();
   const int heads = p.q_heads + 2 * p.kv_heads;
   const dim3 grid(p.tokens, (heads + kQkvWarps - 1) / kQkvWarps);
-  qkv_kernel<<<grid, kQkvWarps * 32, 0, stream>>>(qkv, p);
+  launch_dependent(qkv_kernel, grid, kQkvWarps * 32, 0, stream, qkv, p);
   return cudaGetLastError();
 }
 

@@ -33,6 +33,7 @@
 #include <cstdint>
 
 #include "backend/cuda/ops_launch.h"
+#include "backend/cuda/pdl.h"
 
 namespace moe::cuda::kernels {
 
@@ -190,6 +191,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(const float* __
                                                                  RouterParams p, int tokens, int group_lanes,
                                                                  int32_t* __restrict__ ids,
                                                                  float* __restrict__ weights) {
+  begin_dependent();  // first: see pdl.h
   __shared__ __align__(16) float s_buf[kRouteWarps][kRouterMaxExperts];
   __shared__ float s_group[kRouteWarps][kRouterMaxExperts];
   __shared__ float s_w[kRouteWarps][kRouterMaxTopK];
@@ -659,11 +661,11 @@ cudaError_t route(const float* logits, const RouterParams& p, int tokens, int32_
   }
   const dim3 grid((tokens + kRouteWarps - 1) / kRouteWarps), block(kRouteWarps * 32);
   switch (per_lane) {
-    case 1: route_kernel<1><<<grid, block, 0, stream>>>(logits, p, tokens, group_lanes, ids, weights); break;
-    case 2: route_kernel<2><<<grid, block, 0, stream>>>(logits, p, tokens, group_lanes, ids, weights); break;
-    case 4: route_kernel<4><<<grid, block, 0, stream>>>(logits, p, tokens, group_lanes, ids, weights); break;
-    case 8: route_kernel<8><<<grid, block, 0, stream>>>(logits, p, tokens, group_lanes, ids, weights); break;
-    default: route_kernel<16><<<grid, block, 0, stream>>>(logits, p, tokens, group_lanes, ids, weights); break;
+    case 1: launch_dependent(route_kernel<1>, grid, block, 0, stream, logits, p, tokens, group_lanes, ids, weights); break;
+    case 2: launch_dependent(route_kernel<2>, grid, block, 0, stream, logits, p, tokens, group_lanes, ids, weights); break;
+    case 4: launch_dependent(route_kernel<4>, grid, block, 0, stream, logits, p, tokens, group_lanes, ids, weights); break;
+    case 8: launch_dependent(route_kernel<8>, grid, block, 0, stream, logits, p, tokens, group_lanes, ids, weights); break;
+    default: launch_dependent(route_kernel<16>, grid, block, 0, stream, logits, p, tokens, group_lanes, ids, weights); break;
   }
   return cudaGetLastError();
 }

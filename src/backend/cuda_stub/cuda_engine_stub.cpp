@@ -17,7 +17,7 @@ const EngineOptions& Engine::options() const { MOE_THROW(kInternal, "no CUDA eng
 int32_t Engine::open_sequence() { MOE_THROW(kInternal, "no CUDA engine"); }
 void Engine::close_sequence(int32_t) {}
 int64_t Engine::length(int32_t) const { return 0; }
-int32_t Engine::prefill(int32_t, std::span<const int32_t>, const SamplingParams&, Tensor*, bool) {
+int32_t Engine::prefill(int32_t, std::span<const int32_t>, const SamplingParams&, Tensor*, bool, OpProfile*) {
   MOE_THROW(kInternal, "no CUDA engine");
 }
 std::vector<int32_t> Engine::decode(std::span<const int32_t>, std::span<const int32_t>,
@@ -25,5 +25,6 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t>, std::span<const in
   MOE_THROW(kInternal, "no CUDA engine");
 }
 MemoryReport Engine::memory() const { return {}; }
+std::vector<int32_t> Engine::last_routing() const { return {}; }
 
 }  // namespace moe::cuda

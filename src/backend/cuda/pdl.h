@@ -1,0 +1,43 @@
+// Programmatic dependent launch: a kernel launched with launch_dependent() may be scheduled
+// while its predecessor on the stream is still finishing, which hides the launch gap between
+// the many short kernels of a decode step. Such a kernel must call wait_for_predecessor() before
+// it touches global memory (it returns once the predecessor has completed and its writes are
+// visible); in a grid launched without the attribute both calls are no-ops.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace moe::cuda::kernels {
+
+__device__ __forceinline__ void wait_for_predecessor() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+// Lets the next kernel be scheduled now; it still waits for this one to complete.
+__device__ __forceinline__ void allow_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+// The first two calls of every kernel launched through launch_dependent().
+__device__ __forceinline__ void begin_dependent() {
+  wait_for_predecessor();
+  allow_dependents();
+}
+
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                             cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
+}  // namespace moe::cuda::kernels
