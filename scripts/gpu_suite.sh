@@ -47,7 +47,8 @@ step() {  # step NAME COMMAND...: runs it, keeps its output, records its exit st
 }
 
 GPU_TESTS='Cuda*:*/Cuda*'
-OP_TESTS='CudaOps*:CudaRoute*:CudaSample*:CudaAttention*:CudaMoe*'
+# The op tests under the sanitizers (the timing tests only print; they are left out).
+OP_TESTS='CudaOps*:CudaRoute*:CudaSample*:CudaAttention*:CudaLatent*:CudaMoe*:CudaBlas*:-*Timing*'
 for s in $STEPS; do
   case $s in
     tests)
@@ -62,8 +63,10 @@ for s in $STEPS; do
         step "layer_$p" "$BIN/moe-bench" layer --device cuda --preset "$p" --json
         cp "$OUT/layer_$p.log" "$OUT/layer_$p.json"
       done
-      step model_qwen3-30b-a3b "$BIN/moe-bench" model --device cuda --preset qwen3-30b-a3b \
-        --random-weights --batches 1,8,64 --input-len 128 --output-len 64 --prefill-len 2048 --json ;;
+      for p in qwen3-30b-a3b deepseek-v2-lite; do
+        step "model_$p" "$BIN/moe-bench" model --device cuda --preset "$p" --random-weights \
+          --batches 1,8,64 --input-len 128 --output-len 64 --prefill-len 2048 --profile --json
+      done ;;
     *) echo "unknown step '$s' (tests, sanitize, bench)"; exit 2 ;;
   esac
 done
