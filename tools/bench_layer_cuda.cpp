@@ -16,6 +16,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda_moe.h"
+#include "backend/device_info.h"
 #include "bench_common.h"
 #include "bench_layer.h"
 #include "core/arena.h"
@@ -32,27 +33,6 @@ struct DeviceMem {
   template <typename T>
   T* as() const { return static_cast<T*>(p); }
 };
-
-double copy_bandwidth(cudaStream_t stream) {
-  const size_t bytes = 1ull << 30;
-  DeviceMem a(bytes), b(bytes);
-  cudaEvent_t e0, e1;
-  MOE_CUDA_CHECK(cudaEventCreate(&e0));
-  MOE_CUDA_CHECK(cudaEventCreate(&e1));
-  std::vector<double> ms;
-  for (int i = 0; i < 6; ++i) {
-    MOE_CUDA_CHECK(cudaEventRecord(e0, stream));
-    MOE_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, stream));
-    MOE_CUDA_CHECK(cudaEventRecord(e1, stream));
-    MOE_CUDA_CHECK(cudaEventSynchronize(e1));
-    float t;
-    MOE_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    if (i) ms.push_back(t);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return 2.0 * bytes / (summarize(ms).median * 1e-3);  // read + write
-}
 
 // vLLM fused_moe (Triton), µs, from shared/peers/README.md (moe_layer_h100.jsonl and
 // moe_layer_h200.jsonl): routing and alignment excluded. The H200 figures where the device here
@@ -89,7 +69,7 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
   MOE_CUDA_CHECK(cudaStreamCreate(&stream));
   cudaDeviceProp prop;
   MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  const double copy_bw = copy_bandwidth(stream);
+  const double copy_bw = measure_copy_bandwidth(0);
 
   std::mt19937 rng(11);
   std::normal_distribution<float> nd(0.0f, 1.0f);

@@ -168,7 +168,7 @@ int run_generate(const Common& c, const std::string& prompt, int n, const Sampli
               capacity);
     StreamDecoder stream(tok, /*skip_special=*/false);
     t0 = std::chrono::steady_clock::now();
-    int32_t token = n > 0 ? first() : 0;
+    int32_t token = first();  // the prompt runs even for -n 0: its time is printed
     prompt_s = seconds_since(t0);
     auto t1 = std::chrono::steady_clock::now();
     int generated = 0;

@@ -79,6 +79,7 @@ expect ep_larger_than_experts "larger than the number of experts" -- "$cli" logi
 expect bad_exec_mode "valid: naive, grouped" -- "$cli" logits -m "$fixture" --ids 1 --exec fastest
 expect bad_device "--device tpu: expected cpu or cuda" -- "$cli" logits -m "$fixture" --ids 1 --device tpu
 expect cuda_with_ep "--ep 2 is CPU-only" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2
+expect cuda_with_expert_stats "--expert-stats is CPU-only" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --expert-stats
 bench=${MOE_BENCH:-$(dirname "$cli")/moe-bench}
 expect bench_unknown_preset "unknown layer preset" -- "$bench" layer --preset gpt5
 expect bench_ep_too_large "must be in \\[1, 8\\]" -- "$bench" layer --ep 9
@@ -88,6 +89,7 @@ expect bench_model_preset_without_weights "add --random-weights" -- "$bench" mod
 expect bench_model_too_big "this machine has" -- "$bench" model --preset deepseek-v3 --random-weights
 expect bench_model_bad_device "expected cpu or cuda" -- "$bench" model --preset qwen3-moe-mid --random-weights --device tpu
 expect bench_model_bad_batches "batch sizes must be >= 1" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --batches 1,0
+expect bench_model_bad_prefill_len "--prefill-len must be >= 0" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --prefill-len -1
 
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

@@ -12,6 +12,7 @@
 
 #include "backend/cuda_engine.h"
 #include "gpu_test_util.h"
+#include "../support/fixtures.h"
 #include "model/model.h"
 #include "moe/errors.h"
 
@@ -24,16 +25,8 @@ namespace {
 // reference logit magnitude (and at least 2e-3), measured ~1-2% on the fixtures.
 double logit_bound(double scale) { return std::max(0.04 * scale, 2e-3); }
 
-std::string fixture_dir(const std::string& name) {
-  if (name == "tiny_qwen3_moe") return std::string(MOE_SOURCE_DIR) + "/models/tiny-qwen3-moe";
-  return std::string(MOE_SOURCE_DIR) + "/tests/fixtures/" + name;
-}
-
-nlohmann::json reference(const std::string& dir) {
-  std::ifstream in(dir + "/reference.json");
-  EXPECT_TRUE(in.good()) << "missing " << dir << "/reference.json";
-  return nlohmann::json::parse(in);
-}
+using test::fixture_dir;
+using test::reference;
 
 std::unique_ptr<cuda::Engine> load(const std::string& dir, bool graphs = true, int max_batch = 4) {
   cuda::EngineOptions o;

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/model.h"
+#include "../support/fixtures.h"
 
 namespace moe {
 namespace {
@@ -19,16 +20,8 @@ namespace {
 // in f32 on those same rounded weights, so the same bound applies (see make_fixtures.py).
 constexpr float kLogitBound = 1e-4f;
 
-std::string fixture_dir(const std::string& name) {
-  if (name == "tiny_qwen3_moe") return std::string(MOE_SOURCE_DIR) + "/models/tiny-qwen3-moe";
-  return std::string(MOE_SOURCE_DIR) + "/tests/fixtures/" + name;
-}
-
-nlohmann::json reference(const std::string& dir) {
-  std::ifstream in(dir + "/reference.json");
-  EXPECT_TRUE(in.good()) << "missing " << dir << "/reference.json";
-  return nlohmann::json::parse(in);
-}
+using test::fixture_dir;
+using test::reference;
 
 int32_t argmax(const float* row, int64_t n) {
   int64_t best = 0;
