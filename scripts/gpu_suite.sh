@@ -48,7 +48,7 @@ step() {  # step NAME COMMAND...: runs it, keeps its output, records its exit st
 
 GPU_TESTS='Cuda*:*/Cuda*'
 # The op tests under the sanitizers (the timing tests only print; they are left out).
-OP_TESTS='CudaOps*:CudaRoute*:CudaSample*:CudaAttention*:CudaLatent*:CudaMoe*:CudaBlas*:-*Timing*'
+OP_TESTS='CudaOps*:CudaRoute*:CudaNormRoute*:CudaSample*:CudaAttention*:CudaLatent*:CudaMoe*:CudaBlas*:-*Timing*'
 for s in $STEPS; do
   case $s in
     tests)

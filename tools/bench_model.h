@@ -21,6 +21,7 @@ struct ModelBenchArgs {
   std::vector<int> batches;  // cuda: several decode batch sizes on one loaded model
   int prefill_len = 0;       // cuda: also time one prompt of this many tokens alone
   bool profile = false;      // cuda: one more decode step per batch, timed per operation
+  bool no_fuse = false;      // cuda: every operation its own kernel (EngineOptions::fuse off)
   bool json = false;
 };
 

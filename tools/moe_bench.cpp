@@ -38,8 +38,9 @@ int main(int argc, char** argv) {
   model->add_option("--device", ma.device, "cpu | cuda")->capture_default_str();
   model->add_option("--batches", ma.batches, "cuda: decode batch sizes on one loaded model, e.g. 1,8,64")
       ->delimiter(',');
-  model->add_option("--prefill-len", ma.prefill_len, "cuda: also time one prompt of N tokens alone");
+  model->add_option("--prefill-len", ma.prefill_len, "cuda: also time prompts of N tokens alone (median of 3, after one untimed)");
   model->add_flag("--profile", ma.profile, "cuda: time one eager decode step per operation");
+  model->add_flag("--no-fuse", ma.no_fuse, "cuda: run every operation as its own kernel (for comparisons)");
   model->add_flag("--json", ma.json, "print one JSON document");
 
   try {

@@ -33,6 +33,11 @@ struct EngineOptions {
   int64_t sampled_vocab = 0;
   // Keep every MoE layer's expert choice of the last step (last_routing()): for tests.
   bool record_routing = false;
+  // Fold short kernels of a step into their neighbours (the post-attention norm, router
+  // projection and top-k into one launch for steps of 1 or 2 rows; the next layer's input norm
+  // into the routed experts' combine). Same results up to f32 summation order; off runs every
+  // operation as its own kernel, for comparisons.
+  bool fuse = true;
 };
 
 // Device bytes by what holds them.

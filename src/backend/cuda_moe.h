@@ -54,6 +54,19 @@ class Experts {
   // shape (or, for kGemv beside the GEMM path, more than 256 tokens) throws kUnsupported.
   void forward(const uint16_t* x, const int32_t* ids, const float* weights, int64_t tokens,
                uint16_t* y, void* workspace, void* stream, ExpertPath path = ExpertPath::kAuto) const;
+  // The same, with the next layer's input norm folded into the last kernel: instead of storing
+  // y, residual[t] += f32(bf16 y[t]) and normed[t] = bf16(rmsnorm(residual[t]) * weight)
+  // (residual f32 [M, H] in place, weight f32 [H], normed bf16 [M, H]; all 16-byte aligned;
+  // H at most 8192). Saves a launch per layer in decode.
+  struct NextNorm {
+    float* residual = nullptr;
+    const float* weight = nullptr;
+    float eps = 0.0f;
+    uint16_t* normed = nullptr;
+  };
+  void forward_then_norm(const uint16_t* x, const int32_t* ids, const float* weights,
+                         int64_t tokens, const NextNorm& next, void* workspace, void* stream,
+                         ExpertPath path = ExpertPath::kAuto) const;
 
   // The path forward(..., kAuto) takes for M tokens.
   ExpertPath path_for(int64_t tokens) const;
@@ -63,6 +76,9 @@ class Experts {
   size_t weight_bytes() const;  // bf16 experts: E * 3 * H * I * 2
 
  private:
+  void run(const uint16_t* x, const int32_t* ids, const float* weights, int64_t tokens,
+           uint16_t* y, const NextNorm* next, void* workspace, void* stream, ExpertPath path) const;
+
   const void* gate_up_;
   const void* down_;
   ExpertShape shape_;

@@ -274,6 +274,30 @@ TEST(CudaEngine, RandomWeightPresetMatchesCpuEngine) {
   EXPECT_LE(err, 0.04);  // the bf16 bound above
 }
 
+// The folded kernels (EngineOptions::fuse: post-attention norm + router + top-k in one launch,
+// the next input norm in the experts' combine) against every operation on its own: the same
+// arithmetic in another f32 summation order, so logits agree far inside the bf16 bound. A
+// 2-token prompt takes both folded paths (the fused router runs for up to 2 rows).
+TEST(CudaEngine, FoldedKernelsMatchSeparateOnes) {
+  REQUIRE_GPU();
+  for (const char* name : {"qwen3_moe_f32", "mixtral_f32", "deepseek_v3_f32"}) {
+    const std::string dir = fixture_dir(name);
+    const std::vector<int32_t> ids{5, 9};
+    Tensor logits[2];
+    for (int fuse = 0; fuse < 2; ++fuse) {
+      cuda::EngineOptions o;
+      o.max_context = 64;
+      o.fuse = fuse == 1;
+      auto engine = cuda::Engine::load(dir, o);
+      engine->prefill(engine->open_sequence(), ids, SamplingParams{}, &logits[fuse], true);
+    }
+    ASSERT_EQ(logits[0].numel(), logits[1].numel());
+    std::vector<float> a(logits[1].data<float>(), logits[1].data<float>() + logits[1].numel());
+    std::vector<float> b(logits[0].data<float>(), logits[0].data<float>() + logits[0].numel());
+    EXPECT_LE(gputest::max_rel_error(a, b), 5e-3) << name;
+  }
+}
+
 TEST(CudaEngine, BadInputIsRejectedAndTheEngineKeepsWorking) {
   REQUIRE_GPU();
   auto engine = load(fixture_dir("qwen3_moe_f32"), true, 2);

@@ -406,6 +406,77 @@ TEST(CudaMoe, GraphReplayWithNewRoutingIsExactAndDeterministic) {
   cudaStreamDestroy(stream);
 }
 
+// forward_then_norm: the next layer's input norm folded into the combine. Against the CPU: the
+// residual gains the experts' output (relative error of the added part within kBound), and the
+// normalised rows of that residual match within kBound too (their error is the output's, scaled).
+TEST(CudaMoe, FoldedNextNormMatchesCpuOnEveryPath) {
+  REQUIRE_GPU();
+  std::mt19937 rng(21);
+  const int64_t experts = 16, hidden = 512, inter = 256, k = 4;
+  const Layer l = make_layer(experts, hidden, inter, rng);
+  const cuda::ExpertShape shape{experts, hidden, inter, k};
+  for (int64_t tokens : {1, 5, 300}) {
+    const auto ids = route(experts, tokens, k, 0.8, rng);
+    const size_t n = static_cast<size_t>(tokens * hidden);
+    const auto x = gputest::random_bf16_exact(n, rng, 1.0f);
+    std::vector<float> weights(ids.size()), residual(n), norm_w(static_cast<size_t>(hidden));
+    for (auto& v : weights) v = std::uniform_real_distribution<float>(0.1f, 1.0f)(rng);
+    for (auto& v : residual) v = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+    for (auto& v : norm_w) v = std::uniform_real_distribution<float>(0.5f, 1.5f)(rng);
+
+    Tensor xs = Tensor::zeros({tokens, hidden}), y = Tensor::zeros({tokens, hidden});
+    std::copy(x.begin(), x.end(), xs.data<float>());
+    ThreadPool pool(0);
+    Arena arena("ws", 1 << 20);
+    std::vector<int32_t> all(static_cast<size_t>(experts));
+    for (size_t e = 0; e < all.size(); ++e) all[e] = static_cast<int32_t>(e);
+    ExpertPlan plan;
+    run_experts(ExecMode::kNaive, pool, arena, l.w, all, xs, ids.data(), weights.data(), k, y, plan);
+    std::vector<float> want_x(n), want_h(n);
+    for (int64_t t = 0; t < tokens; ++t) {
+      double ss = 0;
+      for (int64_t i = 0; i < hidden; ++i) {
+        const size_t at = static_cast<size_t>(t * hidden + i);
+        want_x[at] = residual[at] + y.data<float>()[at];
+        ss += static_cast<double>(want_x[at]) * want_x[at];
+      }
+      const double inv = 1.0 / std::sqrt(ss / static_cast<double>(hidden) + 1e-6);
+      for (int64_t i = 0; i < hidden; ++i) {
+        const size_t at = static_cast<size_t>(t * hidden + i);
+        want_h[at] = static_cast<float>(norm_w[static_cast<size_t>(i)] * want_x[at] * inv);
+      }
+    }
+
+    for (ExpertPath path : {ExpertPath::kAuto, ExpertPath::kGemv, ExpertPath::kGemm, ExpertPath::kWgmma}) {
+      if (!cuda::experts_support(shape, path)) continue;
+      if (path == ExpertPath::kWgmma && !device_is_sm90()) continue;
+      if (path == ExpertPath::kGemv && tokens > 256) continue;
+      cuda::Experts gpu(l.gate_up.get(), l.down.get(), shape, tokens);
+      DeviceBuffer<unsigned char> ws(cuda::Experts::workspace_bytes(shape, tokens));
+      ws.poison();
+      DeviceBuffer<uint16_t> dx(gputest::to_bf16(x)), dh(n);
+      DeviceBuffer<int32_t> dids(ids);
+      DeviceBuffer<float> dw(weights), dres(residual), dnw(norm_w);
+      dh.poison();
+      cuda::Experts::NextNorm next{dres.get(), dnw.get(), 1e-6f, dh.get()};
+      gpu.forward_then_norm(dx.get(), dids.get(), dw.get(), tokens, next, ws.get(), nullptr, path);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto got_x = dres.download();
+      const auto got_h = gputest::from_bf16(dh.download());
+      double ex = 0, ey = 0, eh = 0, nh = 0;
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_TRUE(std::isfinite(got_h[i])) << "normalised element " << i << " left unwritten";
+        ex += (got_x[i] - want_x[i]) * (got_x[i] - want_x[i]);
+        ey += static_cast<double>(y.data<float>()[i]) * y.data<float>()[i];
+        eh += (got_h[i] - want_h[i]) * (got_h[i] - want_h[i]);
+        nh += static_cast<double>(want_h[i]) * want_h[i];
+      }
+      EXPECT_LE(std::sqrt(ex / ey), kBound) << "residual, path " << static_cast<int>(path) << ", M=" << tokens;
+      EXPECT_LE(std::sqrt(eh / nh), kBound) << "normed, path " << static_cast<int>(path) << ", M=" << tokens;
+    }
+  }
+}
+
 TEST(CudaMoe, RefusesWhatItCannotRun) {
   ExpertWeights w;
   w.num_local = 4;

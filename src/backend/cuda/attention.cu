@@ -809,8 +809,10 @@ __global__ void __launch_bounds__(1024) decode_reduce_kernel(const PagedAttentio
   const int n = p.seq_starts[seq + 1] - p.seq_starts[seq];
   const int visible = p.context_lens[seq] - n + (row - p.seq_starts[seq]) + 1;
   const int n_s = decode_splits(visible, decode_chunk(visible, chunk, split_cap), max_splits);
-  if (n_s <= 1) return;
+  // Wait even where there is nothing to merge: this grid must not complete before the attention
+  // grid, or the o projection chained after it could read rows that kernel has not written.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if (n_s <= 1) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp < rh_count) {
     const float* ml = part_ml + ((size_t)row * p.q_heads + h0 + warp) * max_splits * 2;

@@ -129,6 +129,23 @@ ExpertPath Experts::path_for(int64_t tokens) const {
 
 void Experts::forward(const uint16_t* x, const int32_t* ids, const float* weights, int64_t tokens,
                       uint16_t* y, void* workspace, void* stream, ExpertPath path) const {
+  MOE_CHECK(y != nullptr, kInvalidArgument, "null output");
+  run(x, ids, weights, tokens, y, nullptr, workspace, stream, path);
+}
+
+void Experts::forward_then_norm(const uint16_t* x, const int32_t* ids, const float* weights,
+                                int64_t tokens, const NextNorm& next, void* workspace,
+                                void* stream, ExpertPath path) const {
+  MOE_CHECK(next.residual && next.weight && next.normed, kInvalidArgument,
+            "the folded norm needs its residual, weight and output");
+  MOE_CHECK(shape_.hidden <= 8192, kUnsupported, "the folded norm takes hidden up to 8192, got {}",
+            shape_.hidden);
+  run(x, ids, weights, tokens, nullptr, &next, workspace, stream, path);
+}
+
+void Experts::run(const uint16_t* x, const int32_t* ids, const float* weights, int64_t tokens,
+                  uint16_t* y, const NextNorm* next, void* workspace, void* stream,
+                  ExpertPath path) const {
   MOE_CHECK(tokens >= 1 && tokens <= max_tokens_, kInvalidArgument,
             "{} tokens: this layer was set up for 1 to {}", tokens, max_tokens_);
   MOE_CHECK(workspace != nullptr, kInvalidArgument, "null workspace");
@@ -160,6 +177,7 @@ void Experts::forward(const uint16_t* x, const int32_t* ids, const float* weight
   b.hidden = static_cast<int>(shape_.hidden);
   b.inter = static_cast<int>(shape_.inter);
   b.top_k = static_cast<int>(shape_.top_k);
+  if (next) b.norm = kernels::ResidualNorm{next->residual, next->weight, next->eps, next->normed};
   auto* st = static_cast<cudaStream_t>(stream);
   const int m = static_cast<int>(tokens);
   if (path == ExpertPath::kGemv) {

@@ -313,6 +313,7 @@ __global__ void combine_kernel(const Part* __restrict__ part, int tokens, int to
   if (i >= tokens * groups) return;
   const int t = i / groups, h = (i % groups) * 8;
   float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4  // loads of several slots in flight; the adds stay in slot order
   for (int j = 0; j < top_k; ++j) {
     const Part* p = part + ((size_t)t * top_k + j) * hidden + h;
     if constexpr (sizeof(Part) == 4) {
@@ -335,6 +336,80 @@ __global__ void combine_kernel(const Part* __restrict__ part, int tokens, int to
 #pragma unroll
   for (int c = 0; c < 4; ++c) o[c] = __floats2bfloat162_rn(s[2 * c], s[2 * c + 1]);
   *reinterpret_cast<uint4*>(y + (size_t)t * hidden + h) = out;
+}
+
+// One block per token: the combine of combine_kernel, then the residual add and RMSNorm of
+// ResidualNorm (the same arithmetic as add_rms_norm_kernel). hidden <= 256 * kNormMaxChunks * 8.
+constexpr int kNormThreads = 256;
+constexpr int kNormMaxChunks = 4;
+
+template <typename Part>
+__global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const Part* __restrict__ part,
+                                                                    int top_k, int hidden,
+                                                                    ResidualNorm rn) {
+  wait_preceding_grid();
+  __shared__ float red[kNormThreads / 32];
+  const int t = blockIdx.x, groups = hidden / 8;
+  float* x = rn.x + (size_t)t * hidden;
+  float v[kNormMaxChunks][8];
+  float ss = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kNormMaxChunks; ++c) {
+    const int g = threadIdx.x + c * kNormThreads;
+    if (g >= groups) break;
+    float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4  // loads of several slots in flight; the adds stay in slot order
+    for (int j = 0; j < top_k; ++j) {
+      const Part* p = part + ((size_t)t * top_k + j) * hidden + g * 8;
+      if constexpr (sizeof(Part) == 4) {
+        const float4 a = __ldcg(reinterpret_cast<const float4*>(p));
+        const float4 b = __ldcg(reinterpret_cast<const float4*>(p) + 1);
+        s[0] += a.x, s[1] += a.y, s[2] += a.z, s[3] += a.w;
+        s[4] += b.x, s[5] += b.y, s[6] += b.z, s[7] += b.w;
+      } else {
+        const uint4 u = __ldcg(reinterpret_cast<const uint4*>(p));
+        const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(q[i]);
+          s[2 * i] += f.x, s[2 * i + 1] += f.y;
+        }
+      }
+    }
+    float4* xs = reinterpret_cast<float4*>(x + g * 8);
+    const float4 lo = xs[0], hi = xs[1];
+    const float xv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[c][i] = xv[i] + __bfloat162float(__float2bfloat16_rn(s[i]));  // y as it would be stored
+      ss += v[c][i] * v[c][i];
+    }
+    xs[0] = make_float4(v[c][0], v[c][1], v[c][2], v[c][3]);
+    xs[1] = make_float4(v[c][4], v[c][5], v[c][6], v[c][7]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kNormThreads / 32; ++w) total += red[w];
+  const float inv = 1.0f / sqrtf(total / static_cast<float>(hidden) + rn.eps);
+  auto* h = static_cast<__nv_bfloat16*>(rn.h) + (size_t)t * hidden;
+#pragma unroll
+  for (int c = 0; c < kNormMaxChunks; ++c) {
+    const int g = threadIdx.x + c * kNormThreads;
+    if (g >= groups) break;
+    const float4 w0 = __ldg(reinterpret_cast<const float4*>(rn.weight + g * 8));
+    const float4 w1 = __ldg(reinterpret_cast<const float4*>(rn.weight + g * 8) + 1);
+    const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    uint4 out;
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      o[i] = __floats2bfloat162_rn(w[2 * i] * (v[c][2 * i] * inv), w[2 * i + 1] * (v[c][2 * i + 1] * inv));
+    *reinterpret_cast<uint4*>(h + g * 8) = out;
+  }
 }
 
 // The register arrays need a compile-time size: one instantiation per chunk count.
@@ -536,6 +611,14 @@ namespace {
 
 cudaError_t combine(const ExpertBuffers& b, int tokens, bool part_bf16, bool chained, void* y,
                     cudaStream_t stream) {
+  if (b.norm.x) {
+    if (b.hidden > kNormThreads * kNormMaxChunks * 8) return cudaErrorInvalidValue;
+    if (part_bf16)
+      return launch(combine_norm_kernel<__nv_bfloat16>, tokens, kNormThreads, chained, stream,
+                    static_cast<const __nv_bfloat16*>(b.part), b.top_k, b.hidden, b.norm);
+    return launch(combine_norm_kernel<float>, tokens, kNormThreads, chained, stream,
+                  static_cast<const float*>(b.part), b.top_k, b.hidden, b.norm);
+  }
   const int total = tokens * (b.hidden / 8);
   auto* yb = static_cast<__nv_bfloat16*>(y);
   const int blocks = (total + 255) / 256;

@@ -9,6 +9,17 @@ namespace moe::cuda::kernels {
 
 constexpr int kMaxExperts = 512;
 
+// The following layer's input norm, folded into the combine when x != null: per token t,
+// x[t] += f32(y[t]) (y rounded to bf16 first, as when it is stored), then
+// h[t] = bf16(x[t] / sqrt(mean(x[t]^2) + eps) * weight): add_rms_norm's result with one launch
+// less per layer. y is then not written.
+struct ResidualNorm {
+  float* x = nullptr;            // f32 [tokens, hidden], in place
+  const float* weight = nullptr;  // f32 [hidden]
+  float eps = 0.0f;
+  void* h = nullptr;  // bf16 [tokens, hidden]
+};
+
 // Device pointers, all carved by the caller from one workspace except the weights.
 struct ExpertBuffers {
   const void* gate_up;  // bf16 [experts, 2 * inter, hidden]: gate rows, then up rows
@@ -23,6 +34,7 @@ struct ExpertBuffers {
   void* act;            // bf16 [max slots, inter]: SiLU(gate) * up, row p = position in order
   void* part;           // [max slots, hidden] by slot: f32 (GEMV path) or bf16 (GEMM path)
   int experts, hidden, inter, top_k;
+  ResidualNorm norm;  // see above; x == null: the plain combine into y
 };
 
 // Counts, offsets, the per-expert slot lists and, when tile_m > 0, the GEMM row tiles. One block;
@@ -43,7 +55,8 @@ cudaError_t launch_prefill(const ExpertBuffers& b, const void* x, const int* ids
                            const float* weights, int tokens, int tile_m, void* y,
                            cudaStream_t stream);
 
-// y[t, h] = sum over j < top_k of part[t * top_k + j, h], in j order (deterministic).
+// y[t, h] = sum over j < top_k of part[t * top_k + j, h], in j order (deterministic); with
+// b.norm.x set, the residual add and norm of ResidualNorm instead of storing y.
 cudaError_t launch_combine(const ExpertBuffers& b, int tokens, bool part_bf16, void* y,
                            cudaStream_t stream);
 

@@ -85,6 +85,30 @@ struct RouterParams {
 cudaError_t route(const float* logits, const RouterParams& p, int tokens, int32_t* ids,
                   float* weights, cudaStream_t stream);
 
+// Decode routing in one launch (norm_route.cu): per token t < tokens,
+//   x[t] += f32(branch[t]); normed[t] = bf16(rmsnorm(x[t]) * norm_weight)   (add_rms_norm)
+//   logits[t] = router_weight · normed[t]                                    (f32 accumulation)
+//   ids[t], weights[t] = route(logits[t])                                     (route, same experts)
+// For tokens <= kNormRouteMaxTokens with tokens * hidden <= kNormRouteMaxElements (the rows are
+// held in registers and shared memory).
+constexpr int kNormRouteMaxTokens = 8;
+constexpr int kNormRouteMaxElements = 16384;
+struct NormRouteParams {
+  float* x = nullptr;                      // f32 [tokens, hidden], in place
+  const uint16_t* branch = nullptr;        // bf16 [tokens, hidden]
+  const float* norm_weight = nullptr;      // f32 [hidden]
+  float eps = 0.0f;
+  uint16_t* normed = nullptr;              // bf16 [tokens, hidden]
+  const uint16_t* router_weight = nullptr;  // bf16 [experts, hidden]
+  float* logits = nullptr;                 // f32 [tokens, experts]
+  unsigned* counter = nullptr;  // zero before the first launch; each launch leaves it zero
+  int hidden = 0;               // a multiple of 8
+};
+bool norm_route_supported(int tokens, int hidden);
+// cudaErrorInvalidValue when unsupported, misaligned (16 bytes) or p invalid for route().
+cudaError_t norm_route(const NormRouteParams& q, const RouterParams& p, int tokens, int32_t* ids,
+                       float* weights, cudaStream_t stream);
+
 constexpr int kSampleMaxVocab = 1 << 18;
 
 // Greedy: the index of the maximum of each row (ties: the lower index); NaN-free input assumed.

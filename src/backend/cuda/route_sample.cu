@@ -34,6 +34,7 @@
 
 #include "backend/cuda/ops_launch.h"
 #include "backend/cuda/pdl.h"
+#include "backend/cuda/route_device.cuh"
 
 namespace moe::cuda::kernels {
 
@@ -41,151 +42,13 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr unsigned kFull = 0xffffffffu;
-constexpr int kNoIndex = 0x7fffffff;
-
-// The router's order: higher value, then lower index.
-__device__ __forceinline__ bool better(float va, int ia, float vb, int ib) {
-  return va > vb || (va == vb && ia < ib);
-}
-
-__device__ __forceinline__ void warp_best(float& v, int& i) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(kFull, v, o);
-    const int oi = __shfl_xor_sync(kFull, i, o);
-    if (better(ov, oi, v, i)) v = ov, i = oi;
-  }
-}
-
-// Unsigned keys in the order of the floats (NaN aside).
-__device__ __forceinline__ uint32_t order_key(float z) {
-  const uint32_t b = __float_as_uint(z);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
+using namespace route_detail;
 
 // ---- router -----------------------------------------------------------------------------------
 
 constexpr int kRouteWarps = 4;
 
-__device__ __forceinline__ float exp_rounded(float x) { return static_cast<float>(exp(static_cast<double>(x))); }
-
-__device__ __forceinline__ float from_order_key(uint32_t k) {
-  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
-// Adding +0 turns -0 into +0 (round to nearest), so that the order keys of equal floats are equal.
-__device__ __forceinline__ uint32_t value_key(float v) { return order_key(v + 0.0f); }
-
-// The CPU's softmax denominator: buf[0] + buf[1] + ... in expert order, in f32. A tree order
-// differs from it by up to ~1.4e-6 relative at 128-512 experts (the CPU's own rounding error),
-// past the weights' bound, so the order is kept. Every lane reads the same words (a broadcast),
-// so every lane ends with the sum and the chain costs one dependent add per expert.
-__device__ __forceinline__ float serial_sum(const float* buf, int n) {
-  float s = 0.0f;
-  int e = 0;
-#pragma unroll 4
-  for (; e + 4 <= n; e += 4) {
-    const float4 q = *reinterpret_cast<const float4*>(buf + e);
-    s += q.x;
-    s += q.y;
-    s += q.z;
-    s += q.w;
-  }
-  for (; e < n; ++e) s += buf[e];
-  return s;
-}
-
-// Groups that do not fall on lane boundaries: through shared memory, lane g scores group g (the
-// first version's code); `choice` [n] is masked in place.
-__device__ void mask_groups_shared(const RouterParams& p, float* choice, float* group, int lane) {
-  const int n = p.experts, per = n / p.n_group;
-  for (int g = lane; g < p.n_group; g += 32) {
-    const float* c = choice + g * per;
-    float gs;
-    if (p.group_ranking == 1) {
-      gs = c[0];
-      for (int j = 1; j < per; ++j) gs = c[j] > gs ? c[j] : gs;
-    } else {  // the two largest values; which of equal ones is taken does not change the sum
-      float b1 = -INFINITY, b2 = -INFINITY;
-      for (int j = 0; j < per; ++j) {
-        const float v = c[j];
-        if (v > b1) b2 = b1, b1 = v;
-        else if (v > b2) b2 = v;
-      }
-      gs = b1 + b2;
-    }
-    group[g] = gs;
-  }
-  __syncwarp();
-  uint32_t taken = 0;  // bit j: group lane + 32 j was kept
-  for (int r = 0; r < p.topk_group; ++r) {
-    float bv = -INFINITY;
-    int bi = kNoIndex;
-    for (int j = 0; j < kRouterMaxExperts / 32; ++j) {
-      const int g = lane + 32 * j;
-      if (g < p.n_group && !(taken >> j & 1u) && better(group[g], g, bv, bi)) bv = group[g], bi = g;
-    }
-    warp_best(bv, bi);
-    if (bi != kNoIndex && (bi & 31) == lane) taken |= 1u << (bi >> 5);
-  }
-  __syncwarp();
-  for (int j = 0; j < kRouterMaxExperts / 32; ++j) {
-    const int g = lane + 32 * j;
-    if (g < p.n_group) group[g] = (taken >> j & 1u) ? 1.0f : 0.0f;
-  }
-  __syncwarp();
-  const float masked = p.group_ranking == 1 ? 0.0f : -INFINITY;
-  for (int e = lane; e < n; e += 32)
-    if (group[e / per] == 0.0f) choice[e] = masked;
-  __syncwarp();
-}
-
-// Groups of G = per / P lanes (a power of two): each group's score by shuffles within its lanes,
-// the topk_group groups by as many warp-wide max rounds.
-template <int P>
-__device__ __forceinline__ void mask_groups_lanes(const RouterParams& p, float (&c)[P], int lane, int G) {
-  const int g = lane / G;
-  const bool real = g < p.n_group;
-  float gs;
-  if (p.group_ranking == 1) {
-    gs = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < P; ++j) gs = c[j] > gs ? c[j] : gs;
-    for (int o = 1; o < G; o <<= 1) gs = fmaxf(gs, __shfl_xor_sync(kFull, gs, o));
-  } else {
-    float b1 = -INFINITY, b2 = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < P; ++j) {
-      const float v = c[j];
-      if (v > b1) b2 = b1, b1 = v;
-      else if (v > b2) b2 = v;
-    }
-    for (int o = 1; o < G; o <<= 1) {  // merge two (largest, second) pairs: the same two values on both lanes
-      const float o1 = __shfl_xor_sync(kFull, b1, o), o2 = __shfl_xor_sync(kFull, b2, o);
-      if (o1 > b1) b2 = fmaxf(b1, o2), b1 = o1;
-      else b2 = fmaxf(b2, o1);
-    }
-    gs = b1 + b2;
-  }
-  bool kept = false;
-  for (int r = 0; r < p.topk_group; ++r) {
-    const bool cand = real && !kept;
-    const uint32_t key = cand ? value_key(gs) : 0u;
-    const uint32_t m = __reduce_max_sync(kFull, key);
-    // Equal scores: the lowest lane holds the lowest group.
-    const unsigned ball = __ballot_sync(kFull, cand && key == m);
-    if (g == (__ffs(ball) - 1) / G) kept = true;
-  }
-  if (!kept) {
-    const float masked = p.group_ranking == 1 ? 0.0f : -INFINITY;
-#pragma unroll
-    for (int j = 0; j < P; ++j) c[j] = masked;
-  }
-}
-
-// One warp per token; lane L holds experts [L P, L P + P). group_lanes: G for mask_groups_lanes,
-// 0 for the shared-memory path.
+// One warp per token (route_detail::route_token).
 template <int P>
 __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(const float* __restrict__ logits,
                                                                  RouterParams p, int tokens, int group_lanes,
@@ -198,94 +61,13 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(const float* __
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.x * kRouteWarps + warp;
   if (t >= tokens) return;
-  const int n = p.experts, k = p.top_k, base = lane * P;
-  const float* row = logits + static_cast<size_t>(t) * n;
-  float* buf = s_buf[warp];
-  float s[P], b[P];
-#pragma unroll
-  for (int j = 0; j < P; ++j) {
-    const bool in = base + j < n;
-    s[j] = in ? __ldg(row + base + j) : -INFINITY;
-    b[j] = in && p.bias ? __ldg(p.bias + base + j) : 0.0f;
-  }
-  if (!p.sigmoid) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < P; ++j) mx = fmaxf(mx, s[j]);
-    mx = from_order_key(__reduce_max_sync(kFull, value_key(mx)));
-#pragma unroll
-    for (int j = 0; j < P; ++j) {
-      s[j] = exp_rounded(s[j] - mx);
-      if (base + j < n) buf[base + j] = s[j];
-    }
-    __syncwarp();
-    const float sum = serial_sum(buf, n);
-#pragma unroll
-    for (int j = 0; j < P; ++j) s[j] = s[j] / sum;
-  } else {
-#pragma unroll
-    for (int j = 0; j < P; ++j) s[j] = 1.0f / (1.0f + exp_rounded(-s[j]));
-  }
-  float c[P];
-#pragma unroll
-  for (int j = 0; j < P; ++j) c[j] = s[j] + b[j];
-
-  if (p.group_ranking != 0) {
-    if (group_lanes > 0) {
-      mask_groups_lanes<P>(p, c, lane, group_lanes);
-    } else {
-      __syncwarp();  // every lane has read buf for the sum
-#pragma unroll
-      for (int j = 0; j < P; ++j)
-        if (base + j < n) buf[base + j] = c[j];
-      __syncwarp();
-      mask_groups_shared(p, buf, s_group[warp], lane);
-#pragma unroll
-      for (int j = 0; j < P; ++j)
-        if (base + j < n) c[j] = buf[base + j];
-    }
-  }
-
-  // k rounds: each lane offers its best untaken expert (strict > keeps the lower index among
-  // equal ones), the warp takes the largest key; among equal keys the lowest lane, which holds
-  // the lowest experts.
-  uint32_t taken = 0;
-  for (int r = 0; r < k; ++r) {
-    float bv = 0.0f;
-    int bj = -1;
-#pragma unroll
-    for (int j = 0; j < P; ++j)
-      if (base + j < n && !(taken >> j & 1u) && (bj < 0 || c[j] > bv)) bv = c[j], bj = j;
-    const uint32_t key = bj >= 0 ? value_key(bv) : 0u;
-    const uint32_t m = __reduce_max_sync(kFull, key);
-    const unsigned ball = __ballot_sync(kFull, bj >= 0 && key == m);
-    if (lane == __ffs(ball) - 1) taken |= 1u << bj;
-  }
-  // Ascending ids: a chosen expert's slot is the number of chosen experts below it. Counts are
-  // <= 16, so five ballots of their bits give every lane its exclusive prefix.
-  const int count = __popc(taken);
-  const unsigned below = (1u << lane) - 1u;
-  int before = 0;
-#pragma unroll
-  for (int bit = 0; bit < 5; ++bit) before += __popc(__ballot_sync(kFull, count >> bit & 1) & below) << bit;
-  // DeepSeek-V2 weighs by the masked scores, the others by the unbiased ones (router.cpp).
-  int32_t* id_out = ids + static_cast<size_t>(t) * k;
-#pragma unroll
-  for (int j = 0; j < P; ++j)
-    if (taken >> j & 1u) {
-      const int slot = before + __popc(taken & ((1u << j) - 1u));
-      s_w[warp][slot] = p.group_ranking == 1 ? c[j] : s[j];
-      id_out[slot] = base + j;
-    }
-  __syncwarp();
-  float sum = 0.0f;  // in ascending expert order, as the CPU
-  for (int j = 0; j < k; ++j) sum += s_w[warp][j];
-  if (lane < k) {
-    float w = s_w[warp][lane];
-    if (p.renormalize) w = w / (p.sigmoid ? sum + 1e-20f : sum);
-    weights[static_cast<size_t>(t) * k + lane] = w * p.scaling;
-  }
+  const float* row = logits + static_cast<size_t>(t) * p.experts;
+  route_detail::route_token<P>([&](int e) { return __ldg(row + e); }, p, group_lanes, lane,
+                               s_buf[warp], s_group[warp], s_w[warp],
+                               ids + static_cast<size_t>(t) * p.top_k,
+                               weights + static_cast<size_t>(t) * p.top_k);
 }
+
 // ---- samplers -----------------------------------------------------------------------------------
 
 constexpr int kSampleThreads = 1024;
@@ -640,25 +422,32 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kSampleThread
 
 }  // namespace
 
-cudaError_t route(const float* logits, const RouterParams& p, int tokens, int32_t* ids,
-                  float* weights, cudaStream_t stream) {
+int route_detail::route_lanes(const RouterParams& p, int* group_lanes) {
   const bool grouped = p.group_ranking != 0;
-  if (tokens < 0 || p.experts <= 0 || p.experts > kRouterMaxExperts || p.top_k < 1 ||
+  if (p.experts <= 0 || p.experts > kRouterMaxExperts || p.top_k < 1 ||
       p.top_k > kRouterMaxTopK || p.top_k > p.experts || p.group_ranking < 0 || p.group_ranking > 2 ||
       (grouped && (p.n_group < 1 || p.experts % p.n_group != 0 || p.topk_group < 1 ||
                    p.topk_group > p.n_group ||
                    p.topk_group * (p.experts / p.n_group) < p.top_k ||
                    (p.group_ranking == 2 && p.experts / p.n_group < 2))))
-    return cudaErrorInvalidValue;
-  if (tokens == 0) return cudaGetLastError();
+    return 0;
   int per_lane = 1;
   while (32 * per_lane < p.experts) per_lane *= 2;
-  int group_lanes = 0;  // groups that start and end on lane boundaries, a power of two lanes each
+  *group_lanes = 0;  // groups that start and end on lane boundaries, a power of two lanes each
   if (grouped) {
     const int per = p.experts / p.n_group;
     const int g = per / per_lane;
-    if (per % per_lane == 0 && (g & (g - 1)) == 0) group_lanes = g;
+    if (per % per_lane == 0 && (g & (g - 1)) == 0) *group_lanes = g;
   }
+  return per_lane;
+}
+
+cudaError_t route(const float* logits, const RouterParams& p, int tokens, int32_t* ids,
+                  float* weights, cudaStream_t stream) {
+  int group_lanes = 0;
+  const int per_lane = route_detail::route_lanes(p, &group_lanes);
+  if (tokens < 0 || per_lane == 0) return cudaErrorInvalidValue;
+  if (tokens == 0) return cudaGetLastError();
   const dim3 grid((tokens + kRouteWarps - 1) / kRouteWarps), block(kRouteWarps * 32);
   switch (per_lane) {
     case 1: launch_dependent(route_kernel<1>, grid, block, 0, stream, logits, p, tokens, group_lanes, ids, weights); break;

@@ -19,6 +19,10 @@ Experts::Experts(const void*, const void*, ExpertShape shape, int64_t max_tokens
 size_t Experts::workspace_bytes(const ExpertShape&, int64_t) { not_built(); }
 void Experts::forward(const uint16_t*, const int32_t*, const float*, int64_t, uint16_t*, void*,
                       void*, ExpertPath) const {}
+void Experts::forward_then_norm(const uint16_t*, const int32_t*, const float*, int64_t,
+                                const NextNorm&, void*, void*, ExpertPath) const {
+  not_built();
+}
 ExpertPath Experts::path_for(int64_t) const { return ExpertPath::kAuto; }
 size_t Experts::weight_bytes() const { return 0; }
 
