@@ -575,7 +575,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Pag
 
   // Lets the reduce kernel (launched with programmatic stream serialization) be scheduled while
   // this grid drains; it waits for this grid's completion before reading anything we write.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  allow_dependents();
 
   const int row = blockIdx.x, split = blockIdx.z, max_splits = gridDim.z;
   if (row >= p.seq_starts[p.num_seqs]) return;
@@ -811,7 +811,7 @@ __global__ void __launch_bounds__(1024) decode_reduce_kernel(const PagedAttentio
   const int n_s = decode_splits(visible, decode_chunk(visible, chunk, split_cap), max_splits);
   // Wait even where there is nothing to merge: this grid must not complete before the attention
   // grid, or the o projection chained after it could read rows that kernel has not written.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  wait_for_predecessor();
   if (n_s <= 1) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp < rh_count) {
@@ -855,21 +855,12 @@ cudaError_t launch_decode(const PagedAttentionParams& p, int hg, const DecodePla
   e = launch_dependent(decode_attention_kernel<D>, grid, dim3(kThreads), C::kSmem, stream, p, hg, plan.chunk,
                        split_cap, part_o, part_ml);
   if (e != cudaSuccess || plan.splits == 1) return e;
-  cudaLaunchConfig_t cfg = {};
   // Heads per reduce block: the largest divisor of the decode block's group that fits 1024 threads.
   int rh = hg;
   while (rh * D > 1024 || hg % rh != 0) --rh;
-  cfg.gridDim = dim3(p.tokens, p.q_heads / rh);
-  cfg.blockDim = dim3(rh * D);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, decode_reduce_kernel<D>, p, plan.chunk, split_cap, plan.splits,
-                            static_cast<const float*>(part_o), static_cast<const float*>(part_ml));
+  return launch_dependent(decode_reduce_kernel<D>, dim3(p.tokens, p.q_heads / rh), dim3(rh * D), 0, stream, p,
+                          plan.chunk, split_cap, plan.splits, static_cast<const float*>(part_o),
+                          static_cast<const float*>(part_ml));
 }
 
 cudaError_t run_decode(const PagedAttentionParams& p, cudaStream_t stream) {

@@ -790,6 +790,12 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
   for (int64_t i = 0; i < b; ++i) {
     Sequence& q = s.seqs[static_cast<size_t>(seqs[static_cast<size_t>(i)])];
     s.grow(q, q.length + 1);
+  }
+  // The bucket's graph first: capturing it (on first use) runs on padding metadata, so the real
+  // rows are written after it, once.
+  DecodeGraph* graph = s.opts.graphs && !profile ? &s.graph_for(bucket) : nullptr;
+  for (int64_t i = 0; i < b; ++i) {
+    const Sequence& q = s.seqs[static_cast<size_t>(seqs[static_cast<size_t>(i)])];
     const int r = static_cast<int>(i);
     s.host(s.meta.ids)[r] = tokens[static_cast<size_t>(i)];
     s.host(s.meta.positions)[r] = static_cast<int32_t>(q.length);
@@ -802,24 +808,12 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
   float* logits = s.ws.logits;
   int32_t* sampled = s.ws.sampled;
   s.last_tokens = b;
-  if (s.opts.graphs && !profile) {
-    DecodeGraph& g = s.graph_for(bucket);  // captures on first use (overwrites the metadata)
-    for (int64_t i = 0; i < b; ++i) {      // so the real rows are written again
-      Sequence& q = s.seqs[static_cast<size_t>(seqs[static_cast<size_t>(i)])];
-      const int r = static_cast<int>(i);
-      s.host(s.meta.ids)[r] = tokens[static_cast<size_t>(i)];
-      s.host(s.meta.positions)[r] = static_cast<int32_t>(q.length);
-      s.host(s.meta.slots)[r] = s.slot_of(q, q.length);
-      s.host(s.meta.seq_starts)[r] = r;
-      s.host(s.meta.context_lens)[r] = static_cast<int32_t>(q.length + 1);
-      s.write_table(r, &q);
-      s.write_sampling(r, params[static_cast<size_t>(i)], &q);
-    }
+  if (graph) {
     s.fill_padding(static_cast<int>(b), bucket);
     s.upload_meta();
-    MOE_CUDA_CHECK(cudaGraphLaunch(g.exec, s.stream));
-    logits = g.logits;
-    sampled = g.sampled;
+    MOE_CUDA_CHECK(cudaGraphLaunch(graph->exec, s.stream));
+    logits = graph->logits;
+    sampled = graph->sampled;
   } else if (profile) {
     // The step as a graph with an event between operations, replayed twice (the first warms
     // up), so the times are those of graph replay, without eager launch gaps.

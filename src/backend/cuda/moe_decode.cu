@@ -19,6 +19,7 @@
 
 #include "backend/cuda/moe_decode_launch.h"
 #include "backend/cuda/moe_heuristics.h"
+#include "backend/cuda/pdl.h"
 
 namespace moe::cuda::kernels {
 
@@ -31,15 +32,6 @@ constexpr int kDirectMaxSlots = 32;  // one slot per lane
 static_assert(heuristics::kGemvDirectMaxSlots <= kDirectMaxSlots, "one routed slot per lane");
 constexpr int kGroupedWarps = 4;      // v2's sweep: 4 warps per block, 3 blocks per SM
 constexpr int kGroupedMinBlocks = 3;
-
-// Programmatic dependent launch (PTX griddepcontrol; no-ops in a grid launched without it).
-__device__ __forceinline__ void allow_dependent_launch() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-// Returns once the preceding grid has completed and its writes are visible.
-__device__ __forceinline__ void wait_preceding_grid() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-}
 
 // Slots of one warp that share an expert are counted or placed with one shared atomic by the
 // lowest such lane (warp-aggregated): "every token on one expert" would otherwise serialise
@@ -65,7 +57,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
   __shared__ int cursor[kMaxExperts];
   __shared__ int tile_start[kMaxExperts + 1];
   __shared__ int total_tiles;
-  allow_dependent_launch();  // the GEMV's gate_up grid gets resident and waits for this one
+  allow_dependents();  // the GEMV's gate_up grid gets resident and waits for this one
   const int lane = threadIdx.x % 32;
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
   __syncthreads();
@@ -201,8 +193,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) gate_up_kerne
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_gate_up,
     const int* __restrict__ ids, int slots, int hidden, int inter, int top_k,
     __nv_bfloat16* __restrict__ act) {
-  wait_preceding_grid();  // chained after the router, whose ids it reads
-  allow_dependent_launch();
+  wait_for_predecessor();  // chained after the router, whose ids it reads
+  allow_dependents();
   const Routing route(ids, slots);
   const int lane = threadIdx.x % 32;
   const int chunks = hidden / 8;
@@ -253,7 +245,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
     const int* __restrict__ ids, int slots, const float* __restrict__ weights,
     int hidden, int inter, float* __restrict__ part) {
   constexpr int R = down_rows(C);
-  allow_dependent_launch();
+  allow_dependents();
   const Routing route(ids, slots);
   const int lane = threadIdx.x % 32;
   const int chunks = inter / 8;
@@ -273,7 +265,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
     }
   };
   if (item < total) load(item);
-  wait_preceding_grid();  // act
+  wait_for_predecessor();  // act
   for (; item < total; item += stride) {
     if (item != blockIdx.x * kGemvWarps + threadIdx.x / 32) load(item);
     const int e = route.expert(item / groups), h0 = (item % groups) * R;
@@ -307,7 +299,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
 template <typename Part>
 __global__ void combine_kernel(const Part* __restrict__ part, int tokens, int top_k, int hidden,
                                __nv_bfloat16* __restrict__ y) {
-  wait_preceding_grid();
+  wait_for_predecessor();
   const int groups = hidden / 8;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= tokens * groups) return;
@@ -347,7 +339,7 @@ template <typename Part>
 __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const Part* __restrict__ part,
                                                                     int top_k, int hidden,
                                                                     ResidualNorm rn) {
-  wait_preceding_grid();
+  wait_for_predecessor();
   __shared__ float red[kNormThreads / 32];
   const int t = blockIdx.x, groups = hidden / 8;
   float* x = rn.x + (size_t)t * hidden;
@@ -444,21 +436,12 @@ int persistent_blocks(Kernel kernel, long long items) {
   return (int)(wanted < cap ? (wanted > 0 ? wanted : 1) : cap);
 }
 
-// `chained`: launched with programmatic stream serialisation (the kernel waits for its
-// predecessor with griddepcontrol.wait; the predecessor lets it start early).
+// `chained`: a programmatic dependent of its predecessor (pdl.h), which may let it start early;
+// it waits with griddepcontrol.wait before reading that kernel's output.
 template <typename... Params, typename... Args>
 cudaError_t launch(void (*kernel)(Params...), int blocks, int threads, bool chained,
                    cudaStream_t stream, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(threads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = chained ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+  return launch_kernel(kernel, dim3(blocks), dim3(threads), 0, stream, chained, args...);
 }
 
 cudaError_t launch_direct(const ExpertBuffers& b, const void* x, const int* ids,
