@@ -145,17 +145,27 @@ void Model::attention(int64_t layer, const Tensor& h, const std::vector<int32_t>
   rope(k.data<float>(), t, c.num_kv_heads, hd, hd, positions.data(), inv_freq_.data());
   const int64_t width = c.num_kv_heads * hd;
   Tensor attn = Tensor::empty(workspace_, {t, c.num_heads * hd});
+  std::vector<const float*> k_blocks, v_blocks;
   for (const Segment& seg : segments) {
     const int64_t n = seg.end - seg.begin;
     KvCache& cache = *seg.cache;
-    std::memcpy(cache.k(layer) + seg.start * width, k.data<float>() + seg.begin * width,
-                static_cast<size_t>(n * width) * 4);
-    std::memcpy(cache.v(layer) + seg.start * width, v.data<float>() + seg.begin * width,
-                static_cast<size_t>(n * width) * 4);
-    cpu::attention(pool_, q.data<float>() + seg.begin * c.num_heads * hd, cache.k(layer),
-                   cache.v(layer), attn.data<float>() + seg.begin * c.num_heads * hd, n,
-                   seg.start + n, c.num_heads, c.num_kv_heads, hd, hd, width, width,
-                   1.0f / std::sqrt(static_cast<float>(hd)));
+    for (int64_t i = 0; i < n; ++i) {  // row by row: consecutive positions may cross a block
+      std::memcpy(cache.k_row(layer, seg.start + i), k.data<float>() + (seg.begin + i) * width,
+                  static_cast<size_t>(width) * 4);
+      std::memcpy(cache.v_row(layer, seg.start + i), v.data<float>() + (seg.begin + i) * width,
+                  static_cast<size_t>(width) * 4);
+    }
+    k_blocks.clear();
+    v_blocks.clear();
+    for (int32_t b : cache.blocks()) {
+      k_blocks.push_back(cache.pool()->k(layer, b));
+      v_blocks.push_back(cache.pool()->v(layer, b));
+    }
+    cpu::paged_attention(pool_, q.data<float>() + seg.begin * c.num_heads * hd, k_blocks.data(),
+                         v_blocks.data(), cache.block_size(),
+                         attn.data<float>() + seg.begin * c.num_heads * hd, n, seg.start + n,
+                         c.num_heads, c.num_kv_heads, hd, hd, width, width,
+                         1.0f / std::sqrt(static_cast<float>(hd)));
   }
   ops::linear(pool_, attn, w.o, c.o_bias ? &w.o_bias : nullptr, out);
 }
@@ -189,10 +199,10 @@ void Model::latent_attention(int64_t layer, const Tensor& h, const std::vector<i
   ops::linear(pool_, h, w.kv_a, nullptr, kv);
   Tensor attn = Tensor::empty(workspace_, {t, heads * vd});
   for (const Segment& seg : segments) {
-    float* cache_rows = seg.cache->k(layer);
+    const KvCache& cache = *seg.cache;
     const int64_t n = seg.end - seg.begin, ctx = seg.start + n;
     for (int64_t i = 0; i < n; ++i) {
-      float* dst = cache_rows + (seg.start + i) * row;
+      float* dst = cache.k_row(layer, seg.start + i);
       const float* src = kv.data<float>() + (seg.begin + i) * row;
       cpu::rms_norm(pool_, src, w.kv_a_norm.data<float>(), dst, 1, lora, kLatentNormEps);
       std::memcpy(dst + lora, src + lora, static_cast<size_t>(rope_dim) * 4);
@@ -202,7 +212,7 @@ void Model::latent_attention(int64_t layer, const Tensor& h, const std::vector<i
     // Expand the whole context's latents into per-head keys and values.
     Tensor latents = Tensor::empty(workspace_, {ctx, lora});
     for (int64_t j = 0; j < ctx; ++j)
-      std::memcpy(latents.data<float>() + j * lora, cache_rows + j * row, static_cast<size_t>(lora) * 4);
+      std::memcpy(latents.data<float>() + j * lora, cache.k_row(layer, j), static_cast<size_t>(lora) * 4);
     Tensor kvb = Tensor::empty(workspace_, {ctx, heads * (nope + vd)});
     ops::linear(pool_, latents, w.kv_b, nullptr, kvb);
     Tensor keys = Tensor::empty(workspace_, {ctx, heads * qk});
@@ -212,7 +222,7 @@ void Model::latent_attention(int64_t layer, const Tensor& h, const std::vector<i
         const float* src = kvb.data<float>() + (j * heads + hh) * (nope + vd);
         float* kd = keys.data<float>() + (j * heads + hh) * qk;
         std::memcpy(kd, src, static_cast<size_t>(nope) * 4);
-        std::memcpy(kd + nope, cache_rows + j * row + lora, static_cast<size_t>(rope_dim) * 4);
+        std::memcpy(kd + nope, cache.k_row(layer, j) + lora, static_cast<size_t>(rope_dim) * 4);
         std::memcpy(values.data<float>() + (j * heads + hh) * vd, src + nope, static_cast<size_t>(vd) * 4);
       }
     cpu::attention(pool_, q.data<float>() + seg.begin * heads * qk, keys.data<float>(),
@@ -296,6 +306,12 @@ std::vector<Tensor> Model::forward_batch(const std::vector<SequenceInput>& batch
               n, cache.capacity());
     for (const Segment& other : segments)
       MOE_CHECK(other.cache != in.cache, kInvalidArgument, "two sequences share one KV cache");
+    // Blocks shared with other sequences (reused prefixes) are full and must stay as they are.
+    for (int64_t b = cache.length() / cache.block_size(); b * cache.block_size() < cache.length() + n; ++b) {
+      const int32_t block = cache.blocks()[static_cast<size_t>(b)];
+      MOE_CHECK(cache.pool()->ref_count(block) == 1, kInvalidArgument,
+                "KV block {} is shared with another sequence and cannot be written", block);
+    }
     segments.push_back({t, t + n, in.cache, cache.length()});
     t += n;
   }

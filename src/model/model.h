@@ -56,7 +56,8 @@ class Model {
 
   // Runs `ids` at positions [cache.length(), cache.length() + T), appends them to the cache and
   // returns f32 logits: [T, vocab] when all_logits, else [1, vocab] for the last position.
-  // Throws kInvalidArgument for an empty input, an id outside the vocabulary or a full cache.
+  // Throws kInvalidArgument for an empty input, an id outside the vocabulary, a full cache, or
+  // new rows that would land in a block the cache shares with another (a reused prefix).
   Tensor forward(std::span<const int32_t> ids, KvCache& cache, bool all_logits = false);
   // Several sequences in one forward: every linear layer and MoE block sees all their tokens at
   // once; attention runs per sequence over its own cache. Returns one logits tensor per

@@ -40,6 +40,12 @@ void silu_mul(const float* gate_up, float* out, int64_t tokens, int64_t inter);
 void attention(ThreadPool& pool, const float* q, const float* k, const float* v, float* out,
                int64_t tokens, int64_t ctx, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                int64_t v_dim, int64_t k_row_stride, int64_t v_row_stride, float scale);
+// The same over a paged context: key row j lies at k_blocks[j / block_size] + (j % block_size) *
+// k_row_stride, value rows likewise. Gives bit for bit the result of the contiguous form.
+void paged_attention(ThreadPool& pool, const float* q, const float* const* k_blocks,
+                     const float* const* v_blocks, int64_t block_size, float* out, int64_t tokens,
+                     int64_t ctx, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t v_dim,
+                     int64_t k_row_stride, int64_t v_row_stride, float scale);
 
 // In-place softmax of each of `rows` rows of width n.
 void softmax_rows(float* x, int64_t rows, int64_t n);

@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# moe-server end to end on loopback with the bundled tiny model: the official `openai` npm client
+# (installed into .cache/ on first use) against moe-cli generate's greedy text, 64 concurrent
+# streams, bad requests answered with OpenAI error bodies, a client that disconnects mid-stream
+# giving its blocks back, and a clean exit on SIGTERM.
+set -u
+server=${MOE_SERVER:?path to moe-server}
+cli=${MOE_CLI:?path to moe-cli}
+src=${MOE_SOURCE_DIR:?repository root}
+model="$src/models/tiny-qwen3-moe"
+work=$(mktemp -d)
+pid=""
+cleanup() {
+  if [ -n "$pid" ]; then kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+failures=0
+ok() { echo "ok   $1"; }
+fail() { echo "FAIL $1"; failures=$((failures + 1)); }
+
+client_dir="$src/.cache/openai-client"
+if [ ! -d "$client_dir/node_modules/openai" ]; then
+  mkdir -p "$client_dir"
+  npm install --silent --no-audit --no-fund --prefix "$client_dir" openai@4 >/dev/null 2>&1 ||
+    { echo "FAIL cannot install the openai npm client"; exit 1; }
+fi
+
+# Bad flags: exit status 1 and one "error:" line naming the problem, before anything listens.
+bad_flags() {
+  local name=$1 pattern=$2 err rc
+  shift 2
+  err=$("$server" "$@" 2>&1 >/dev/null)
+  rc=$?
+  if [ "$rc" = 1 ] && [ "$(printf '%s' "$err" | grep -c '')" = 1 ] && [[ "$err" == error:* ]] &&
+      grep -qE -- "$pattern" <<<"$err"; then
+    ok "$name: $err"
+  else
+    fail "$name: exit $rc, stderr $err"
+  fi
+}
+bad_flags "--device cuda" 'CPU only' -m "$model" --device cuda
+bad_flags "missing model directory" 'does not exist' -m "$work/none"
+bad_flags "--max-batch 0" 'max_batch' -m "$model" --max-batch 0
+bad_flags "--port out of range" 'port' -m "$model" --port 70000
+
+"$server" -m "$model" --port 0 -t 2 --max-batch 16 2>"$work/log" &
+pid=$!
+url=""
+for _ in $(seq 1 300); do
+  url=$(grep -oE 'http://127\.0\.0\.1:[0-9]+' "$work/log" | head -n 1)
+  [ -n "$url" ] && break
+  kill -0 "$pid" 2>/dev/null || break
+  sleep 0.1
+done
+[ -n "$url" ] || { echo "FAIL the server did not start: $(cat "$work/log")"; exit 1; }
+
+# request METHOD PATH [BODY]: prints the status code; the body lands in $work/body.
+request() {
+  if [ $# -ge 3 ]; then
+    curl -s -o "$work/body" -w '%{http_code}' -X "$1" -H 'Content-Type: application/json' --data-binary "$3" "$url$2"
+  else
+    curl -s -o "$work/body" -w '%{http_code}' -X "$1" "$url$2"
+  fi
+}
+# expect_error NAME STATUS PATTERN BODY [PATH]: an OpenAI-style error body with that status.
+expect_error() {
+  local status
+  status=$(request POST "${5:-/v1/completions}" "$4")
+  if [ "$status" = "$2" ] && grep -q '"error":{' "$work/body" && grep -qE -- "$3" "$work/body"; then
+    ok "$1 -> $status $(cat "$work/body")"
+  else
+    fail "$1: status $status, body $(cat "$work/body")"
+  fi
+}
+
+[ "$(request GET /health)" = 200 ] && grep -q '"ok"' "$work/body" && ok "health" || fail "health"
+
+expect_error "malformed JSON" 400 'not valid JSON' '{"prompt": "a",'
+expect_error "body not an object" 400 'JSON object' '[1, 2]'
+expect_error "prompt of the wrong type" 400 '"param":"prompt"' '{"prompt": 5}'
+expect_error "max_tokens of the wrong type" 400 '"param":"max_tokens"' '{"prompt": "a", "max_tokens": "5"}'
+expect_error "stream of the wrong type" 400 '"param":"stream"' '{"prompt": "a", "stream": "yes"}'
+expect_error "temperature out of range" 400 'temperature' '{"prompt": "a", "temperature": -1}'
+expect_error "unknown model" 404 'model_not_found' '{"model": "gpt-4", "prompt": "a"}'
+expect_error "max_tokens beyond the context" 400 'exceeds the context' '{"prompt": "a", "max_tokens": 5000}'
+long=$(printf 'word %.0s' $(seq 1 5000))
+expect_error "prompt longer than the context" 400 'context_length_exceeded' "{\"prompt\": \"$long\"}"
+expect_error "chat without messages" 400 '"param":"messages"' '{"messages": []}' /v1/chat/completions
+expect_error "chat message without content" 400 '"param":"messages"' '{"messages": [{"role": "user"}]}' /v1/chat/completions
+[ "$(request GET /health)" = 200 ] && ok "still serving after bad requests" || fail "still serving after bad requests"
+
+# The greedy text moe-cli generate prints for each case alone.
+cases=("0|8|Hello there" "0|16|The capital of France is" "0|5|1, 2, 3," "0|24|Once upon a time"
+       "1|6|Hi" "1|12|Tell me a story" "1|20|What is 2 + 2?" "0|1|a")
+for i in "${!cases[@]}"; do
+  IFS='|' read -r chat n prompt <<<"${cases[$i]}"
+  flags=()
+  [ "$chat" = 1 ] && flags=(--chat)
+  out=$("$cli" generate -m "$model" -p "$prompt" -n "$n" --temp 0 "${flags[@]}" 2>/dev/null; printf x)
+  out=${out%x}
+  printf '%s' "${out%$'\n'}" >"$work/text$i"
+  printf '%s\n%s\n%s\n' "$chat" "$n" "$prompt" >"$work/case$i"
+done
+MOE_WORK="$work" MOE_COUNT=${#cases[@]} node -e '
+  const fs = require("fs"), w = process.env.MOE_WORK, out = [];
+  for (let i = 0; i < +process.env.MOE_COUNT; i++) {
+    const [chat, n, prompt] = fs.readFileSync(`${w}/case${i}`, "utf8").split("\n");
+    out.push({ chat: chat === "1", n: +n, prompt, text: fs.readFileSync(`${w}/text${i}`, "utf8") });
+  }
+  fs.writeFileSync(`${w}/expect.json`, JSON.stringify(out));'
+if NODE_PATH="$client_dir/node_modules" MOE_URL="$url" MOE_MODEL=tiny-qwen3-moe MOE_EXPECT="$work/expect.json" \
+    node "$src/tests/cli/server_client.cjs"; then
+  ok "openai client"
+else
+  fail "openai client"
+fi
+
+# metric NAME: its value from /metrics.
+metric() { curl -s "$url/metrics" | awk -v n="$1" '$1 == n { print $2 }'; }
+[ "$(metric moe_kv_blocks_in_use)" = 0 ] && ok "no KV blocks in use after the clients" ||
+  fail "KV blocks in use after the clients: $(metric moe_kv_blocks_in_use)"
+
+# A client that leaves mid-stream: its request is cancelled and its blocks come back long
+# before the 4000 tokens it asked for would have been generated.
+curl -sN --max-time 2 -H 'Content-Type: application/json' \
+  --data-binary '{"prompt": "Hello", "max_tokens": 4000, "temperature": 0, "stream": true}' \
+  "$url/v1/completions" >"$work/partial"
+freed=0
+for _ in $(seq 1 30); do
+  [ "$(metric moe_kv_blocks_in_use)" = 0 ] && [ "$(metric moe_running_requests)" = 0 ] && { freed=1; break; }
+  sleep 0.1
+done
+if grep -q '^data: {' "$work/partial" && ! grep -q 'DONE' "$work/partial" && [ "$freed" = 1 ]; then
+  ok "a disconnected stream frees its blocks"
+else
+  fail "disconnect: $(grep -c '^data:' "$work/partial") chunks, blocks in use $(metric moe_kv_blocks_in_use)"
+fi
+[ "$(request POST /v1/completions '{"prompt": "Hello there", "max_tokens": 8, "temperature": 0}')" = 200 ] &&
+  grep -qF "$(node -e 'process.stdout.write(JSON.stringify(require("fs").readFileSync(process.argv[1], "utf8")))' "$work/text0")" "$work/body" &&
+  ok "still serving after a disconnect" || fail "still serving after a disconnect: $(cat "$work/body")"
+
+# SIGTERM with a request in flight: the server ends it and exits with status 0.
+curl -sN -H 'Content-Type: application/json' \
+  --data-binary '{"prompt": "Hello", "max_tokens": 3000, "temperature": 0, "stream": true}' \
+  "$url/v1/completions" >"$work/inflight" &
+curl_pid=$!
+sleep 0.5
+kill -TERM "$pid"
+for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+if kill -0 "$pid" 2>/dev/null; then
+  fail "SIGTERM: the server is still running after 10 s"
+else
+  wait "$pid"
+  rc=$?
+  pid=""
+  [ "$rc" = 0 ] && ok "SIGTERM: clean exit" || fail "SIGTERM: exit status $rc"
+fi
+wait "$curl_pid" 2>/dev/null
+
+echo "$failures failure(s)"
+[ "$failures" -eq 0 ]
