@@ -18,9 +18,11 @@ STEPS=${STEPS:-tests sanitize bench}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
 
-# libcublasLt from the toolkit, or from the cuBLAS wheel PyTorch ships with.
+# libcublasLt and libnccl (opened at run time by the NCCL communicator) from the toolkit, or
+# from the wheels PyTorch ships with.
 for d in /usr/local/cuda/lib64 \
-         "$(python3 -c 'import nvidia.cublas, os; print(os.path.dirname(nvidia.cublas.__file__) + "/lib")' 2>/dev/null)"; do
+         "$(python3 -c 'import nvidia.cublas, os; print(os.path.dirname(nvidia.cublas.__file__) + "/lib")' 2>/dev/null)" \
+         "$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) + "/lib")' 2>/dev/null)"; do
   [ -n "$d" ] && [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
 
@@ -46,7 +48,7 @@ step() {  # step NAME COMMAND...: runs it, keeps its output, records its exit st
   tail -n 3 "$OUT/$name.log"
 }
 
-GPU_TESTS='Cuda*:*/Cuda*'
+GPU_TESTS='Cuda*:*/Cuda*:Nccl*'
 # The op tests under the sanitizers (the timing tests only print; they are left out).
 OP_TESTS='CudaOps*:CudaRoute*:CudaNormRoute*:CudaSample*:CudaAttention*:CudaLatent*:CudaMoe*:CudaBlas*:-*Timing*'
 for s in $STEPS; do
