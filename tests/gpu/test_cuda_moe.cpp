@@ -475,6 +475,14 @@ TEST(CudaMoe, FoldedNextNormMatchesCpuOnEveryPath) {
       EXPECT_LE(std::sqrt(eh / nh), kBound) << "normed, path " << static_cast<int>(path) << ", M=" << tokens;
     }
   }
+  // A folded norm without its residual, weight or output is refused, not run.
+  cuda::Experts gpu(l.gate_up.get(), l.down.get(), shape, 1);
+  DeviceBuffer<unsigned char> ws(cuda::Experts::workspace_bytes(shape, 1));
+  DeviceBuffer<uint16_t> dx(static_cast<size_t>(hidden));
+  DeviceBuffer<int32_t> dids(std::vector<int32_t>{0, 1, 2, 3});
+  DeviceBuffer<float> dw(std::vector<float>(4, 0.25f));
+  EXPECT_THROW(gpu.forward_then_norm(dx.get(), dids.get(), dw.get(), 1, cuda::Experts::NextNorm{}, ws.get(), nullptr),
+               Error);
 }
 
 TEST(CudaMoe, RefusesWhatItCannotRun) {

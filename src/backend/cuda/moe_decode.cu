@@ -293,18 +293,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
   }
 }
 
-// y[t, h] = sum over the k slots of token t, in slot order: deterministic. Eight outputs per
-// thread (hidden is a multiple of 8), 16-byte stores. The partial sums are read through L2
-// (__ldcg): in the GEMV path this grid starts before the down grid has finished.
+// s[0..8) = the sum of token t's k slots at columns [h, h + 8), in slot order (deterministic).
+// The partial sums are read through L2 (__ldcg): in the GEMV path the combine starts before the
+// down grid has finished.
 template <typename Part>
-__global__ void combine_kernel(const Part* __restrict__ part, int tokens, int top_k, int hidden,
-                               __nv_bfloat16* __restrict__ y) {
-  wait_for_predecessor();
-  const int groups = hidden / 8;
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= tokens * groups) return;
-  const int t = i / groups, h = (i % groups) * 8;
-  float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+__device__ __forceinline__ void sum_slots(const Part* __restrict__ part, int t, int top_k, int hidden,
+                                          int h, float (&s)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i] = 0.f;
 #pragma unroll 4  // loads of several slots in flight; the adds stay in slot order
   for (int j = 0; j < top_k; ++j) {
     const Part* p = part + ((size_t)t * top_k + j) * hidden + h;
@@ -323,6 +319,20 @@ __global__ void combine_kernel(const Part* __restrict__ part, int tokens, int to
       }
     }
   }
+}
+
+// y[t, h] = sum over the k slots of token t (sum_slots). Eight outputs per thread (hidden is a
+// multiple of 8), 16-byte stores.
+template <typename Part>
+__global__ void combine_kernel(const Part* __restrict__ part, int tokens, int top_k, int hidden,
+                               __nv_bfloat16* __restrict__ y) {
+  wait_for_predecessor();
+  const int groups = hidden / 8;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= tokens * groups) return;
+  const int t = i / groups, h = (i % groups) * 8;
+  float s[8];
+  sum_slots(part, t, top_k, hidden, h, s);
   uint4 out;
   __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
 #pragma unroll
@@ -349,25 +359,8 @@ __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const Part* 
   for (int c = 0; c < kNormMaxChunks; ++c) {
     const int g = threadIdx.x + c * kNormThreads;
     if (g >= groups) break;
-    float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4  // loads of several slots in flight; the adds stay in slot order
-    for (int j = 0; j < top_k; ++j) {
-      const Part* p = part + ((size_t)t * top_k + j) * hidden + g * 8;
-      if constexpr (sizeof(Part) == 4) {
-        const float4 a = __ldcg(reinterpret_cast<const float4*>(p));
-        const float4 b = __ldcg(reinterpret_cast<const float4*>(p) + 1);
-        s[0] += a.x, s[1] += a.y, s[2] += a.z, s[3] += a.w;
-        s[4] += b.x, s[5] += b.y, s[6] += b.z, s[7] += b.w;
-      } else {
-        const uint4 u = __ldcg(reinterpret_cast<const uint4*>(p));
-        const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(q[i]);
-          s[2 * i] += f.x, s[2 * i + 1] += f.y;
-        }
-      }
-    }
+    float s[8];
+    sum_slots(part, t, top_k, hidden, g * 8, s);
     float4* xs = reinterpret_cast<float4*>(x + g * 8);
     const float4 lo = xs[0], hi = xs[1];
     const float xv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
