@@ -68,7 +68,18 @@ for s in $STEPS; do
       for p in qwen3-30b-a3b deepseek-v2-lite; do
         step "model_$p" "$BIN/moe-bench" model --device cuda --preset "$p" --random-weights \
           --batches 1,8,64 --input-len 128 --output-len 64 --prefill-len 2048 --profile --json
-      done ;;
+      done
+      # Expert parallelism over the machine's GPUs: the seed workload (no arguments: two GPUs)
+      # and the qwen3 layer, every mode.
+      gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+      if [ "$gpus" -ge 2 ]; then
+        step layer_seed_ep2 "$BIN/moe-bench" layer --json
+        for n in 2 4 8; do
+          [ "$gpus" -ge $n ] || continue
+          step "layer_qwen3-30b-a3b_ep$n" "$BIN/moe-bench" layer --preset qwen3-30b-a3b --ep $n \
+            --runs 10 --warmup 2 --json
+        done
+      fi ;;
     *) echo "unknown step '$s' (tests, sanitize, bench)"; exit 2 ;;
   esac
 done

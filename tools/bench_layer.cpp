@@ -12,6 +12,7 @@
 
 #include "bench_common.h"
 #include "bench_layer.h"
+#include "backend/device_info.h"
 #include "dist/inprocess_communicator.h"
 #include "moe/ep/ep_backend.h"
 #include "moe/errors.h"
@@ -187,15 +188,28 @@ Result run_mode(const Setup& s, const Mode& m, int ep, int warmup, int runs, int
 
 int run_layer_bench(const LayerBenchArgs& args) {
   LayerBenchArgs a = args;
+  MOE_CHECK(a.device == "auto" || a.device == "cpu" || a.device == "cuda", kInvalidArgument,
+            "--device {}: valid devices are auto, cpu and cuda", a.device);
+  const size_t gpus = cuda_devices().size();
+  // auto: the seed's two ranks on two GPUs where there are two, else the CPU; a model preset on
+  // one GPU where there is one.
+  if (a.device == "auto") {
+    const bool seed = a.preset == "seed";
+    a.device = gpus >= (seed && a.ep != 1 ? 2u : 1u) ? "cuda" : "cpu";
+  }
   const bool gpu = a.device == "cuda";
-  if (a.ep == 0) a.ep = gpu ? 1 : 2;
+  if (a.ep == 0) a.ep = gpu && a.preset != "seed" ? 1 : 2;
   if (a.dtype.empty()) a.dtype = gpu ? "bf16" : "f32";
-  MOE_CHECK(a.device == "cpu" || a.device == "cuda", kInvalidArgument,
-            "--device {}: valid devices are cpu and cuda", a.device);
   Shape shape = find_shape(a.preset);
-  if (a.device == "cuda")
+  if (gpu) {
+    MOE_CHECK(a.dtype == "bf16", kUnsupported,
+              "--dtype {}: the CUDA experts compute in bf16 (pass --dtype bf16)", a.dtype);
+    if (a.ep > 1)
+      return run_layer_bench_cuda_ep(a, shape.experts, shape.hidden, shape.inter, shape.top_k,
+                                     shape.router, shape.name, shape.tokens);
     return run_layer_bench_cuda(a, shape.experts, shape.hidden, shape.inter, shape.top_k,
                                 shape.router, shape.name);
+  }
   MOE_CHECK(a.dtype == "f32", kUnsupported,
             "--dtype {}: the CPU reference computes in f32 (bf16 runs on --device cuda)", a.dtype);
   if (a.tokens > 0) shape.tokens = a.tokens;

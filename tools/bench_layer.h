@@ -8,9 +8,9 @@ namespace moe::bench {
 struct LayerBenchArgs {
   std::string preset = "seed";
   int64_t tokens = 0;  // 0: the preset's
-  int ep = 0;         // 0: 2 on the CPU (the seed's), 1 on CUDA
+  int ep = 0;         // 0: 2 for the seed preset (the seed's) and on the CPU, else 1 on CUDA
   std::string dtype;  // empty: f32 on the CPU, bf16 on CUDA
-  std::string device = "cpu";
+  std::string device = "auto";  // auto: cuda where the GPUs are there (see run_layer_bench)
   bool json = false;
   int runs = 20;
   int warmup = 3;
@@ -28,5 +28,10 @@ namespace moe::bench {
 // The GPU half (bench_layer_cuda.cpp, or a stub without CUDA).
 int run_layer_bench_cuda(const LayerBenchArgs& args, int64_t experts, int64_t hidden,
                          int64_t inter, int64_t top_k, const RouterConfig& router, const char* name);
+// The layer over args.ep GPUs of this machine in every expert-parallel mode
+// (bench_layer_cuda_ep.cpp, or a stub without CUDA); preset_tokens: the preset's T.
+int run_layer_bench_cuda_ep(const LayerBenchArgs& args, int64_t experts, int64_t hidden,
+                            int64_t inter, int64_t top_k, const RouterConfig& router,
+                            const char* name, int64_t preset_tokens);
 
 }  // namespace moe::bench

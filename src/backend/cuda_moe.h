@@ -48,8 +48,9 @@ class Experts {
   static size_t workspace_bytes(const ExpertShape& shape, int64_t max_tokens);
 
   // y[M, H] (bf16 bits) = sum_j weights[t, j] * FFN_{ids[t, j]}(x[t]); all pointers on the device,
-  // ids in [0, E), M = tokens in [1, max_tokens]. `stream` is a cudaStream_t (null: the default
-  // stream). The workspace is overwritten; calls sharing one workspace must be ordered on one
+  // ids in [0, E) or -1 for a slot to leave out (an expert held by another rank: it adds nothing,
+  // and a row whose slots are all -1 comes out zero), M = tokens in [1, max_tokens]. `stream` is
+  // a cudaStream_t (null: the default stream). The workspace is overwritten; calls sharing one workspace must be ordered on one
   // stream. Bitwise deterministic for given inputs and path. A forced path that cannot run this
   // shape (or, for kGemv beside the GEMM path, more than 256 tokens) throws kUnsupported.
   void forward(const uint16_t* x, const int32_t* ids, const float* weights, int64_t tokens,

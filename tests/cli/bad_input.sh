@@ -83,7 +83,7 @@ expect cuda_with_expert_stats "--expert-stats is CPU-only" -- "$cli" logits -m "
 bench=${MOE_BENCH:-$(dirname "$cli")/moe-bench}
 expect bench_unknown_preset "unknown layer preset" -- "$bench" layer --preset gpt5
 expect bench_ep_too_large "must be in \\[1, 8\\]" -- "$bench" layer --ep 9
-expect bench_bad_device "valid devices are cpu and cuda" -- "$bench" layer --device tpu
+expect bench_bad_device "valid devices are auto, cpu and cuda" -- "$bench" layer --device tpu
 expect bench_cuda_needs_bf16 "bf16|no CUDA backend" -- "$bench" layer --device cuda --dtype f32
 expect bench_model_preset_without_weights "add --random-weights" -- "$bench" model --preset qwen3-moe-mid
 expect bench_model_too_big "this machine has" -- "$bench" model --preset deepseek-v3 --random-weights

@@ -105,8 +105,10 @@ struct GpuRun {
 // Runs the layer on the GPU through the non-owning core with a caller-owned workspace, then
 // checks every row for poison (NaN) and up to 128 rows spread over all tokens against
 // run_experts (the reference's cost is what limits the rows; each row depends only on its token).
+// With `skip`, the slots whose expert it marks go to the GPU as -1 (left out) and the reference
+// leaves them out the same way (run_experts' -1 in its local-index map).
 GpuRun run(const Layer& l, int64_t tokens, int64_t k, const std::vector<int32_t>& ids,
-        ExpertPath path, std::mt19937& rng) {
+        ExpertPath path, std::mt19937& rng, const std::vector<bool>* skip = nullptr) {
   const int64_t hidden = l.w.hidden;
   const cuda::ExpertShape shape{l.w.num_local, hidden, l.w.inter, k};
   cuda::Experts gpu(l.gate_up.get(), l.down.get(), shape, tokens);
@@ -116,7 +118,11 @@ GpuRun run(const Layer& l, int64_t tokens, int64_t k, const std::vector<int32_t>
   std::vector<float> weights(ids.size());
   for (auto& v : weights) v = std::uniform_real_distribution<float>(0.1f, 1.0f)(rng);
   DeviceBuffer<uint16_t> dx(gputest::to_bf16(x)), dy(static_cast<size_t>(tokens * hidden));
-  DeviceBuffer<int32_t> dids(ids);
+  std::vector<int32_t> gpu_ids = ids;
+  if (skip)
+    for (auto& id : gpu_ids)
+      if ((*skip)[static_cast<size_t>(id)]) id = -1;
+  DeviceBuffer<int32_t> dids(gpu_ids);
   DeviceBuffer<float> dw(weights);
   dy.poison();
   gpu.forward(dx.get(), dids.get(), dw.get(), tokens, dy.get(), ws.get(), nullptr, path);
@@ -141,7 +147,7 @@ GpuRun run(const Layer& l, int64_t tokens, int64_t k, const std::vector<int32_t>
   ThreadPool pool(0);
   Arena arena("ws", 1 << 20);
   std::vector<int32_t> all(static_cast<size_t>(l.w.num_local));
-  for (size_t e = 0; e < all.size(); ++e) all[e] = static_cast<int32_t>(e);
+  for (size_t e = 0; e < all.size(); ++e) all[e] = skip && (*skip)[e] ? -1 : static_cast<int32_t>(e);
   ExpertPlan plan;
   run_experts(ExecMode::kNaive, pool, arena, l.w, all, xs, sids.data(), sw.data(), k, ref, plan);
   for (float v : r.y)
@@ -154,7 +160,8 @@ GpuRun run(const Layer& l, int64_t tokens, int64_t k, const std::vector<int32_t>
       num += (got - want) * (got - want);
       den += want * want;
     }
-  r.rel = std::sqrt(num / den);
+  // Every slot of every checked row left out: the reference is zero and so must the output be.
+  r.rel = den > 0 ? std::sqrt(num / den) : (num == 0 ? 0.0 : INFINITY);
   return r;
 }
 
@@ -185,6 +192,37 @@ TEST(CudaMoe, RaggedRandomRouting) {
   REQUIRE_GPU();
   std::mt19937 rng(3);
   check_all_paths(10, 256, 128, 7, 3, route(10, 7, 3, 1.0, rng), 1);
+}
+
+// Slots of experts another rank holds come in as -1 (expert parallelism): they add nothing, on
+// every path, including tokens whose slots are all left out (their rows must come out zero, not
+// poison) and the all-left-out batch.
+TEST(CudaMoe, SkippedSlotsAddNothingOnEveryPath) {
+  REQUIRE_GPU();
+  std::mt19937 rng(31);
+  const Layer l = make_layer(16, 256, 128, rng);
+  for (int64_t tokens : {1, 3, 40, 300}) {
+    const auto ids = route(16, tokens, 4, 0.8, rng);
+    for (int variant = 0; variant < 3; ++variant) {
+      std::vector<bool> skip(16);
+      for (size_t e = 0; e < skip.size(); ++e)
+        skip[e] = variant == 0 ? e >= 8 : variant == 1 ? e % 3 != 0 : true;
+      for (ExpertPath p : {ExpertPath::kGemv, ExpertPath::kGemm, ExpertPath::kWgmma}) {
+        if (!cuda::experts_support({16, 256, 128, 4}, p)) continue;
+        if (p == ExpertPath::kWgmma && !device_is_sm90()) continue;
+        if (p == ExpertPath::kGemv && tokens > 256) continue;
+        const GpuRun r = run(l, tokens, 4, ids, p, rng, &skip);
+        if (variant == 2) {  // nothing local: exactly zero
+          bool zero = true;
+          for (float v : r.y) zero = zero && v == 0.0f;
+          EXPECT_TRUE(zero) << "path " << static_cast<int>(p) << ", M=" << tokens;
+          continue;
+        }
+        EXPECT_LE(r.rel, kBound) << "path " << static_cast<int>(p) << ", M=" << tokens
+                                 << ", variant " << variant;
+      }
+    }
+  }
 }
 
 TEST(CudaMoe, MostExpertsIdleAndWidthsNotMultiplesOf256) {

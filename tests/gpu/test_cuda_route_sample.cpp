@@ -166,6 +166,83 @@ TEST(CudaRoute, RejectsWhatItCannotRoute) {
   EXPECT_EQ(k::route(nullptr, p, 1, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
 }
 
+// route_hidden: the projection folded into the router. Its logits (written out) are within f32
+// rounding of a double-precision dot product of the same bf16 numbers, and its choice is exactly
+// moe::route's on those logits. Small routers of the seed, Mixtral and a DeepSeek-like grouped
+// shape; routers past the size limit and misaligned rows are refused.
+TEST(CudaRoute, HiddenFoldedRouterMatchesCpuOnItsLogits) {
+  REQUIRE_GPU();
+  struct Case {
+    int experts, top_k, hidden;
+    bool sigmoid;
+    int groups, n_group, topk_group;
+    bool renorm;
+  };
+  const Case cases[] = {{8, 2, 512, false, 0, 1, 1, true},
+                        {8, 2, 4096, false, 0, 1, 1, true},
+                        {60, 4, 1024, false, 0, 1, 1, false},
+                        {64, 6, 1024, true, 2, 8, 4, true}};
+  uint32_t seed = 40;
+  for (const auto& c : cases) {
+    std::mt19937 rng(++seed);
+    const int tokens = 300;
+    const auto x = gputest::random_bf16_exact(static_cast<size_t>(tokens) * c.hidden, rng, 1.0f);
+    const auto w = gputest::random_bf16_exact(static_cast<size_t>(c.experts) * c.hidden, rng,
+                                              1.0f / std::sqrt(static_cast<float>(c.hidden)));
+    DeviceBuffer<uint16_t> dx(gputest::to_bf16(x)), dr(gputest::to_bf16(w));
+    DeviceBuffer<float> dl(static_cast<size_t>(tokens) * c.experts), dw(static_cast<size_t>(tokens) * c.top_k);
+    DeviceBuffer<int32_t> di(static_cast<size_t>(tokens) * c.top_k);
+    dl.poison();
+    dw.poison();
+    di.poison();
+    k::RouterParams p;
+    p.experts = c.experts;
+    p.top_k = c.top_k;
+    p.sigmoid = c.sigmoid;
+    p.group_ranking = c.groups;
+    p.n_group = c.n_group;
+    p.topk_group = c.topk_group;
+    p.renormalize = c.renorm;
+    ASSERT_TRUE(k::route_hidden_supported(c.experts, c.hidden));
+    ASSERT_EQ(k::route_hidden(dx.get(), dr.get(), c.hidden, p, tokens, di.get(), dw.get(), dl.get(), nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto logits = dl.download();
+    for (int t = 0; t < tokens; ++t)
+      for (int e = 0; e < c.experts; ++e) {
+        double want = 0, mag = 0;
+        for (int h = 0; h < c.hidden; ++h) {
+          const double v = static_cast<double>(x[static_cast<size_t>(t) * c.hidden + h]) * w[static_cast<size_t>(e) * c.hidden + h];
+          want += v;
+          mag += std::abs(v);
+        }
+        const double got = logits[static_cast<size_t>(t) * c.experts + e];
+        ASSERT_LE(std::abs(got - want), 1e-6 * mag + 1e-30) << "token " << t << " expert " << e;
+      }
+    RouterConfig rc;
+    rc.num_experts = c.experts;
+    rc.top_k = c.top_k;
+    rc.scoring = c.sigmoid ? RouterScoring::kSigmoid : RouterScoring::kSoftmax;
+    rc.groups = c.groups == 0 ? GroupRanking::kNone : GroupRanking::kTop2Sum;
+    rc.n_group = c.n_group;
+    rc.topk_group = c.topk_group;
+    rc.renormalize = c.renorm;
+    std::vector<int32_t> want_ids(static_cast<size_t>(tokens) * c.top_k);
+    std::vector<float> want_w(want_ids.size());
+    route(rc, logits.data(), nullptr, tokens, want_ids.data(), want_w.data());
+    EXPECT_EQ(di.download(), want_ids) << rc.describe();
+    const auto got_w = dw.download();
+    for (size_t i = 0; i < got_w.size(); ++i)
+      ASSERT_LE(std::abs(got_w[i] - want_w[i]), 1e-6f * std::abs(want_w[i]) + 1e-30f) << rc.describe() << " slot " << i;
+  }
+  k::RouterParams p;
+  p.experts = 128;
+  p.top_k = 8;
+  EXPECT_FALSE(k::route_hidden_supported(128, 2048));
+  EXPECT_EQ(k::route_hidden(nullptr, nullptr, 2048, p, 1, nullptr, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_FALSE(k::route_hidden_supported(8, 12));
+}
+
 // ---- sampling ---------------------------------------------------------------------------------
 
 int host_argmax(const float* x, int n) {

@@ -57,6 +57,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
   __shared__ int cursor[kMaxExperts];
   __shared__ int tile_start[kMaxExperts + 1];
   __shared__ int total_tiles;
+  wait_for_predecessor();  // the router's ids
   allow_dependents();  // the GEMV's gate_up grid gets resident and waits for this one
   const int lane = threadIdx.x % 32;
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
@@ -64,8 +65,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
   // Whole warps iterate together (match_any needs every lane); past the end a lane is invalid.
   const int rounded = (slots + blockDim.x - 1) / blockDim.x * blockDim.x;
   for (int s = threadIdx.x; s < rounded; s += blockDim.x) {
-    const bool valid = s < slots;
-    const int e = valid ? ids[s] : 0;
+    const int e = s < slots ? ids[s] : -1;
+    const bool valid = e >= 0;  // -1: a skipped slot (another rank's expert)
     warp_aggregated_add(&counts[valid ? e : 0], e, valid);
   }
   __syncthreads();
@@ -103,8 +104,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
   for (int e = threadIdx.x; e < experts; e += blockDim.x) offsets[e] = cursor[e];
   __syncthreads();  // cursor is advanced below; offsets took the starts first
   for (int s = threadIdx.x; s < rounded; s += blockDim.x) {
-    const bool valid = s < slots;
-    const int e = valid ? ids[s] : 0;
+    const int e = s < slots ? ids[s] : -1;
+    const bool valid = e >= 0;
     const int pos = warp_aggregated_add(&cursor[valid ? e : 0], e, valid);
     if (valid) order[pos] = s;
   }
@@ -293,16 +294,17 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
   }
 }
 
-// s[0..8) = the sum of token t's k slots at columns [h, h + 8), in slot order (deterministic).
-// The partial sums are read through L2 (__ldcg): in the GEMV path the combine starts before the
-// down grid has finished.
+// s[0..8) = the sum of token t's k slots at columns [h, h + 8), in slot order (deterministic);
+// skipped slots (id -1) have no partial sum and add nothing. The partial sums are read through L2
+// (__ldcg): in the GEMV path the combine starts before the down grid has finished.
 template <typename Part>
-__device__ __forceinline__ void sum_slots(const Part* __restrict__ part, int t, int top_k, int hidden,
-                                          int h, float (&s)[8]) {
+__device__ __forceinline__ void sum_slots(const Part* __restrict__ part, const int* __restrict__ ids,
+                                          int t, int top_k, int hidden, int h, float (&s)[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) s[i] = 0.f;
 #pragma unroll 4  // loads of several slots in flight; the adds stay in slot order
   for (int j = 0; j < top_k; ++j) {
+    if (__ldg(ids + (size_t)t * top_k + j) < 0) continue;
     const Part* p = part + ((size_t)t * top_k + j) * hidden + h;
     if constexpr (sizeof(Part) == 4) {
       const float4 a = __ldcg(reinterpret_cast<const float4*>(p));
@@ -324,15 +326,15 @@ __device__ __forceinline__ void sum_slots(const Part* __restrict__ part, int t, 
 // y[t, h] = sum over the k slots of token t (sum_slots). Eight outputs per thread (hidden is a
 // multiple of 8), 16-byte stores.
 template <typename Part>
-__global__ void combine_kernel(const Part* __restrict__ part, int tokens, int top_k, int hidden,
-                               __nv_bfloat16* __restrict__ y) {
+__global__ void combine_kernel(const Part* __restrict__ part, const int* __restrict__ ids, int tokens,
+                               int top_k, int hidden, __nv_bfloat16* __restrict__ y) {
   wait_for_predecessor();
   const int groups = hidden / 8;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= tokens * groups) return;
   const int t = i / groups, h = (i % groups) * 8;
   float s[8];
-  sum_slots(part, t, top_k, hidden, h, s);
+  sum_slots(part, ids, t, top_k, hidden, h, s);
   uint4 out;
   __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
 #pragma unroll
@@ -347,6 +349,7 @@ constexpr int kNormMaxChunks = 4;
 
 template <typename Part>
 __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const Part* __restrict__ part,
+                                                                    const int* __restrict__ ids,
                                                                     int top_k, int hidden,
                                                                     ResidualNorm rn) {
   wait_for_predecessor();
@@ -360,7 +363,7 @@ __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const Part* 
     const int g = threadIdx.x + c * kNormThreads;
     if (g >= groups) break;
     float s[8];
-    sum_slots(part, t, top_k, hidden, g * 8, s);
+    sum_slots(part, ids, t, top_k, hidden, g * 8, s);
     float4* xs = reinterpret_cast<float4*>(x + g * 8);
     const float4 lo = xs[0], hi = xs[1];
     const float xv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
@@ -577,39 +580,38 @@ cudaError_t launch_grouped(const ExpertBuffers& b, const void* x, const float* w
 
 cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int tile_m,
                         cudaStream_t stream) {
-  plan_kernel<<<1, kPlanThreads, 0, stream>>>(ids, tokens * b.top_k, b.experts, tile_m, b.offsets,
-                                              b.order, b.active, b.num_active, b.tile_expert,
-                                              b.tile_row, b.num_tiles);
-  return cudaGetLastError();
+  return launch_dependent(plan_kernel, dim3(1), dim3(kPlanThreads), 0, stream, ids,
+                          tokens * b.top_k, b.experts, tile_m, b.offsets, b.order, b.active,
+                          b.num_active, b.tile_expert, b.tile_row, b.num_tiles);
 }
 
 namespace {
 
-cudaError_t combine(const ExpertBuffers& b, int tokens, bool part_bf16, bool chained, void* y,
+cudaError_t combine(const ExpertBuffers& b, const int* ids, int tokens, bool part_bf16, bool chained, void* y,
                     cudaStream_t stream) {
   if (b.norm.x) {
     if (b.hidden > kNormThreads * kNormMaxChunks * 8) return cudaErrorInvalidValue;
     if (part_bf16)
       return launch(combine_norm_kernel<__nv_bfloat16>, tokens, kNormThreads, chained, stream,
-                    static_cast<const __nv_bfloat16*>(b.part), b.top_k, b.hidden, b.norm);
+                    static_cast<const __nv_bfloat16*>(b.part), ids, b.top_k, b.hidden, b.norm);
     return launch(combine_norm_kernel<float>, tokens, kNormThreads, chained, stream,
-                  static_cast<const float*>(b.part), b.top_k, b.hidden, b.norm);
+                  static_cast<const float*>(b.part), ids, b.top_k, b.hidden, b.norm);
   }
   const int total = tokens * (b.hidden / 8);
   auto* yb = static_cast<__nv_bfloat16*>(y);
   const int blocks = (total + 255) / 256;
   if (part_bf16)
     return launch(combine_kernel<__nv_bfloat16>, blocks, 256, chained, stream,
-                  static_cast<const __nv_bfloat16*>(b.part), tokens, b.top_k, b.hidden, yb);
+                  static_cast<const __nv_bfloat16*>(b.part), ids, tokens, b.top_k, b.hidden, yb);
   return launch(combine_kernel<float>, blocks, 256, chained, stream,
-                static_cast<const float*>(b.part), tokens, b.top_k, b.hidden, yb);
+                static_cast<const float*>(b.part), ids, tokens, b.top_k, b.hidden, yb);
 }
 
 }  // namespace
 
-cudaError_t launch_combine(const ExpertBuffers& b, int tokens, bool part_bf16, void* y,
-                           cudaStream_t stream) {
-  return combine(b, tokens, part_bf16, false, y, stream);
+cudaError_t launch_combine(const ExpertBuffers& b, const int* ids, int tokens, bool part_bf16,
+                           void* y, cudaStream_t stream) {
+  return combine(b, ids, tokens, part_bf16, false, y, stream);
 }
 
 cudaError_t launch_decode(const ExpertBuffers& b, const void* x, const int* ids,
@@ -622,7 +624,7 @@ cudaError_t launch_decode(const ExpertBuffers& b, const void* x, const int* ids,
     if (err == cudaSuccess) err = launch_grouped(b, x, weights, tokens, stream);
   }
   if (err != cudaSuccess) return err;
-  return combine(b, tokens, false, true, y, stream);
+  return combine(b, ids, tokens, false, true, y, stream);
 }
 
 }  // namespace moe::cuda::kernels

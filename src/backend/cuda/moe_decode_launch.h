@@ -55,9 +55,10 @@ cudaError_t launch_prefill(const ExpertBuffers& b, const void* x, const int* ids
                            const float* weights, int tokens, int tile_m, void* y,
                            cudaStream_t stream);
 
-// y[t, h] = sum over j < top_k of part[t * top_k + j, h], in j order (deterministic); with
-// b.norm.x set, the residual add and norm of ResidualNorm instead of storing y.
-cudaError_t launch_combine(const ExpertBuffers& b, int tokens, bool part_bf16, void* y,
-                           cudaStream_t stream);
+// y[t, h] = sum over j < top_k of part[t * top_k + j, h], in j order (deterministic), leaving
+// out the slots whose id is -1; with b.norm.x set, the residual add and norm of ResidualNorm
+// instead of storing y.
+cudaError_t launch_combine(const ExpertBuffers& b, const int* ids, int tokens, bool part_bf16,
+                           void* y, cudaStream_t stream);
 
 }  // namespace moe::cuda::kernels

@@ -85,6 +85,18 @@ struct RouterParams {
 cudaError_t route(const float* logits, const RouterParams& p, int tokens, int32_t* ids,
                   float* weights, cudaStream_t stream);
 
+// route() with the router projection folded in, for small routers (experts * hidden up to
+// kRouteHiddenMaxWeights, hidden a multiple of 8): logits[t] = router_weight · x[t] (bf16 x and
+// router_weight [experts, hidden], 16-byte aligned; f32 accumulation in lane-strided order, so
+// within f32 rounding of a GEMM's logits, not bit-equal), then the same choice as route() on
+// those logits. `logits` (f32 [tokens, experts]) receives them when not null. One launch where
+// the projection and route() take two.
+constexpr int kRouteHiddenMaxWeights = 1 << 16;
+bool route_hidden_supported(int experts, int hidden);
+cudaError_t route_hidden(const uint16_t* x, const uint16_t* router_weight, int hidden,
+                         const RouterParams& p, int tokens, int32_t* ids, float* weights,
+                         float* logits, cudaStream_t stream);
+
 // Decode routing in one launch (norm_route.cu): per token t < tokens,
 //   x[t] += f32(branch[t]); normed[t] = bf16(rmsnorm(x[t]) * norm_weight)   (add_rms_norm)
 //   logits[t] = router_weight · normed[t]                                    (f32 accumulation)

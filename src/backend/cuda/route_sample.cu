@@ -26,6 +26,7 @@
 // same (seed, step) always gives the same token. The draw is Gumbel-max over the allowed set with
 // a counter-based hash of (seed, step, token) as the uniform source.
 #include <cooperative_groups.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -63,6 +64,61 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(const float* __
   if (t >= tokens) return;
   const float* row = logits + static_cast<size_t>(t) * p.experts;
   route_detail::route_token<P>([&](int e) { return __ldg(row + e); }, p, group_lanes, lane,
+                               s_buf[warp], s_group[warp], s_w[warp],
+                               ids + static_cast<size_t>(t) * p.top_k,
+                               weights + static_cast<size_t>(t) * p.top_k);
+}
+
+// route() with the projection folded in, for small routers: one warp per token computes the
+// logits (lane-strided 16-byte chunks of the bf16 rows, f32 products summed per lane, then a
+// butterfly across the warp) into shared memory and routes from there.
+__device__ __forceinline__ float dot_bf16x8(uint4 a, uint4 b) {
+  const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
+  const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 fx = __bfloat1622float2(x[i]), fy = __bfloat1622float2(y[i]);
+    s = fmaf(fx.x, fy.x, s);
+    s = fmaf(fx.y, fy.y, s);
+  }
+  return s;
+}
+
+template <int P>
+__global__ void __launch_bounds__(kRouteWarps * 32) route_hidden_kernel(
+    const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, int hidden, RouterParams p,
+    int tokens, int group_lanes, int32_t* __restrict__ ids, float* __restrict__ weights,
+    float* __restrict__ logits) {
+  begin_dependent();
+  __shared__ __align__(16) float s_logit[kRouteWarps][kRouterMaxExperts];
+  __shared__ __align__(16) float s_buf[kRouteWarps][kRouterMaxExperts];
+  __shared__ float s_group[kRouteWarps][kRouterMaxExperts];
+  __shared__ float s_w[kRouteWarps][kRouterMaxTopK];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t = blockIdx.x * kRouteWarps + warp;
+  if (t >= tokens) return;
+  const uint4* xr = reinterpret_cast<const uint4*>(x + static_cast<size_t>(t) * hidden);
+  const int chunks = hidden / 8;
+  // `span` lanes share an expert (a power of two; all 32 for one expert, one lane each past 32
+  // experts), so that every lane's loads are independent and in flight together.
+  int span = 32;
+  while (span > 1 && span * p.experts > 32) span >>= 1;
+  const int per_pass = 32 / span, part = lane % span;
+  for (int e0 = 0; e0 < p.experts; e0 += per_pass) {
+    const int e = e0 + lane / span;
+    float sum = 0.0f;
+    if (e < p.experts) {
+      const uint4* wr = reinterpret_cast<const uint4*>(w + static_cast<size_t>(e) * hidden);
+      for (int c = part; c < chunks; c += span) sum += dot_bf16x8(__ldg(wr + c), __ldg(xr + c));
+    }
+    for (int o = span / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(kFull, sum, o);
+    if (part == 0 && e < p.experts) s_logit[warp][e] = sum;
+  }
+  __syncwarp();
+  if (logits)
+    for (int e = lane; e < p.experts; e += 32) logits[static_cast<size_t>(t) * p.experts + e] = s_logit[warp][e];
+  route_detail::route_token<P>([&](int e) { return s_logit[warp][e]; }, p, group_lanes, lane,
                                s_buf[warp], s_group[warp], s_w[warp],
                                ids + static_cast<size_t>(t) * p.top_k,
                                weights + static_cast<size_t>(t) * p.top_k);
@@ -455,6 +511,35 @@ cudaError_t route(const float* logits, const RouterParams& p, int tokens, int32_
     case 4: launch_dependent(route_kernel<4>, grid, block, 0, stream, logits, p, tokens, group_lanes, ids, weights); break;
     case 8: launch_dependent(route_kernel<8>, grid, block, 0, stream, logits, p, tokens, group_lanes, ids, weights); break;
     default: launch_dependent(route_kernel<16>, grid, block, 0, stream, logits, p, tokens, group_lanes, ids, weights); break;
+  }
+  return cudaGetLastError();
+}
+
+bool route_hidden_supported(int experts, int hidden) {
+  return hidden > 0 && hidden % 8 == 0 && experts > 0 &&
+         static_cast<long long>(experts) * hidden <= kRouteHiddenMaxWeights;
+}
+
+cudaError_t route_hidden(const uint16_t* x, const uint16_t* router_weight, int hidden,
+                         const RouterParams& p, int tokens, int32_t* ids, float* weights,
+                         float* logits, cudaStream_t stream) {
+  int group_lanes = 0;
+  const int per_lane = route_detail::route_lanes(p, &group_lanes);
+  if (tokens < 0 || per_lane == 0 || !route_hidden_supported(p.experts, hidden) ||
+      (reinterpret_cast<uintptr_t>(x) & 15) || (reinterpret_cast<uintptr_t>(router_weight) & 15))
+    return cudaErrorInvalidValue;
+  if (tokens == 0) return cudaGetLastError();
+  const dim3 grid((tokens + kRouteWarps - 1) / kRouteWarps), block(kRouteWarps * 32);
+  auto go = [&](auto kernel) {
+    return launch_dependent(kernel, grid, block, 0, stream, x, router_weight, hidden, p, tokens,
+                            group_lanes, ids, weights, logits);
+  };
+  switch (per_lane) {
+    case 1: go(route_hidden_kernel<1>); break;
+    case 2: go(route_hidden_kernel<2>); break;
+    case 4: go(route_hidden_kernel<4>); break;
+    case 8: go(route_hidden_kernel<8>); break;
+    default: go(route_hidden_kernel<16>); break;
   }
   return cudaGetLastError();
 }

@@ -1,0 +1,357 @@
+// Expert parallelism on the GPUs of one machine (src/backend/cuda_ep.h): every backend, on two
+// GPUs and on all of them, against the same layer on one GPU (cuda::Experts holding every
+// expert), for token counts from one (fewer tokens than ranks) to a few hundred, with routing
+// that leaves some ranks idle. The output must be identical on every rank, within bf16 rounding
+// of the one-GPU result, and poisoned outputs must be fully written. p2p is also captured in a
+// CUDA graph and replayed with new routing, and a rank that never joins makes its peer report a
+// timeout instead of hanging. Skipped, visibly, with fewer than two GPUs (and, for the collective
+// backends, without NCCL; for p2p, without peer access).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <optional>
+#include <random>
+#include <thread>
+
+#include "backend/cuda_ep.h"
+#include "backend/cuda_moe.h"
+#include "backend/nccl_communicator.h"
+#include "gpu_test_util.h"
+#include "moe/errors.h"
+#include "moe/placement.h"
+
+namespace moe {
+namespace {
+
+using gputest::DeviceBuffer;
+using Bits = std::vector<uint16_t>;
+
+constexpr int64_t kExperts = 16, kHidden = 256, kInter = 128, kTopK = 4;
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    n = 0;
+  }
+  return n;
+}
+
+std::vector<int> first_devices(int n) {
+  std::vector<int> d;
+  for (int i = 0; i < n; ++i) d.push_back(i);
+  return d;
+}
+
+// The group sizes to test: 2 and, where there are more, all GPUs (at most 8).
+std::vector<int> group_sizes() {
+  const int n = std::min(device_count(), 8);
+  std::vector<int> sizes{2};
+  if (n > 2) sizes.push_back(n);
+  return sizes;
+}
+
+struct Problem {
+  int64_t tokens = 0;
+  Bits x, gate_up, down;        // bf16: x [T, H], all experts' weights
+  std::vector<int32_t> ids;     // [T, k] ascending per token
+  std::vector<float> weights;   // [T, k]
+};
+
+Bits random_bits(size_t n, std::mt19937& rng, float scale) {
+  return gputest::to_bf16(gputest::random_bf16_exact(n, rng, scale));
+}
+
+// `skew` < 1 piles the routing onto the first experts, so the last ranks get few or no rows.
+Problem make_problem(int64_t tokens, double skew, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Problem p;
+  p.tokens = tokens;
+  p.x = random_bits(static_cast<size_t>(tokens * kHidden), rng, 1.0f);
+  p.gate_up = random_bits(static_cast<size_t>(kExperts * 2 * kInter * kHidden), rng, 0.06f);
+  p.down = random_bits(static_cast<size_t>(kExperts * kHidden * kInter), rng, 0.06f);
+  std::vector<double> w(kExperts);
+  for (int64_t e = 0; e < kExperts; ++e) w[static_cast<size_t>(e)] = std::pow(skew, static_cast<double>(e));
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<double> q = w;
+    std::vector<int32_t> pick;
+    for (int64_t j = 0; j < kTopK; ++j) {
+      std::discrete_distribution<int32_t> d(q.begin(), q.end());
+      const int32_t e = d(rng);
+      pick.push_back(e);
+      q[static_cast<size_t>(e)] = 0;
+    }
+    std::sort(pick.begin(), pick.end());
+    p.ids.insert(p.ids.end(), pick.begin(), pick.end());
+    for (int64_t j = 0; j < kTopK; ++j) p.weights.push_back(std::uniform_real_distribution<float>(0.1f, 1.0f)(rng));
+  }
+  return p;
+}
+
+// The layer on GPU 0 with every expert.
+Bits one_gpu(const Problem& p) {
+  EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
+  const cuda::ExpertShape shape{kExperts, kHidden, kInter, kTopK};
+  DeviceBuffer<uint16_t> gu(p.gate_up), dn(p.down), x(p.x), y(p.x.size());
+  DeviceBuffer<int32_t> ids(p.ids);
+  DeviceBuffer<float> w(p.weights);
+  DeviceBuffer<unsigned char> ws(cuda::Experts::workspace_bytes(shape, p.tokens));
+  cuda::Experts experts(gu.get(), dn.get(), shape, p.tokens, 0);
+  y.poison();
+  experts.forward(x.get(), ids.get(), w.get(), p.tokens, y.get(), ws.get(), nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return y.download();
+}
+
+// One rank's device copies: its block of experts and the replicated inputs.
+struct RankData {
+  DeviceBuffer<uint16_t> gate_up, down, x, out;
+  DeviceBuffer<int32_t> ids;
+  DeviceBuffer<float> weights;
+
+  RankData(const Problem& p, int ranks, int rank)
+      : gate_up(slice(p.gate_up, ranks, rank, 2 * kInter * kHidden)),
+        down(slice(p.down, ranks, rank, kHidden * kInter)),
+        x(p.x),
+        out(p.x.size()),
+        ids(p.ids),
+        weights(p.weights) {
+    out.poison();
+  }
+  static Bits slice(const Bits& all, int ranks, int rank, int64_t per_expert) {
+    ExpertPlacement pl(kExperts, ranks, rank);
+    const auto b = all.begin() + pl.first_expert() * per_expert;
+    return Bits(b, b + pl.num_local() * per_expert);
+  }
+};
+
+cuda::EpLayerConfig config(dist::EpBackend backend, int ranks, int rank, int64_t max_tokens) {
+  cuda::EpLayerConfig c;
+  c.backend = backend;
+  c.rank = rank;
+  c.ranks = ranks;
+  c.device = rank;
+  c.experts = kExperts;
+  c.hidden = kHidden;
+  c.inter = kInter;
+  c.top_k = kTopK;
+  c.max_tokens = max_tokens;
+  return c;
+}
+
+// Runs `backend` on the first `ranks` GPUs (two calls, so that the second reuses buffers that
+// the first left dirty) and returns every rank's output of the second call.
+std::vector<Bits> run_ep(dist::EpBackend backend, int ranks, const Problem& p) {
+  std::vector<Bits> outs(static_cast<size_t>(ranks));
+  const Problem warm = make_problem(p.tokens, 1.0, 99);
+  auto body = [&](int r, dist::Communicator* comm, cuda::P2pExchange* x) {
+    EXPECT_EQ(cudaSetDevice(r), cudaSuccess);
+    RankData d(p, ranks, r), w(warm, ranks, r);
+    cuda::EpExperts layer(config(backend, ranks, r, p.tokens), d.gate_up.get(), d.down.get(), comm, x);
+    cudaStream_t st;
+    EXPECT_EQ(cudaStreamCreate(&st), cudaSuccess);
+    layer.forward(w.x.get(), w.ids.get(), w.weights.get(), p.tokens, w.out.get(), st);
+    layer.forward(d.x.get(), d.ids.get(), d.weights.get(), p.tokens, d.out.get(), st);
+    layer.check(st);
+    EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    outs[static_cast<size_t>(r)] = d.out.download();
+    cudaStreamDestroy(st);
+  };
+  if (backend == dist::EpBackend::kP2p) {
+    cuda::P2pExchange x(first_devices(ranks), kHidden, kTopK, p.tokens, 20.0);
+    std::vector<std::thread> threads;
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(ranks));
+    for (int r = 0; r < ranks; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          body(r, nullptr, &x);
+        } catch (...) {
+          errors[static_cast<size_t>(r)] = std::current_exception();
+        }
+      });
+    for (auto& t : threads) t.join();
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+  } else {
+    cuda::run_gpu_ranks(first_devices(ranks),
+                        [&](int r, dist::Communicator& comm) { body(r, &comm, nullptr); }, 60.0);
+  }
+  return outs;
+}
+
+// Every rank's output is the same, fully written, and each element is within a few bf16 steps
+// (at the row's scale) of the one-GPU result: each rank rounds its partial sum to bf16 once and
+// the sum of the partials is rounded once more.
+void expect_matches(const std::vector<Bits>& outs, const Bits& want, const char* what) {
+  for (size_t r = 1; r < outs.size(); ++r)
+    EXPECT_EQ(outs[r], outs[0]) << what << ": rank " << r << " differs from rank 0";
+  const auto got = gputest::from_bf16(outs[0]), ref = gputest::from_bf16(want);
+  ASSERT_EQ(got.size(), ref.size());
+  double worst = 0;
+  for (size_t t = 0; t * kHidden < ref.size(); ++t) {
+    double scale = 1e-30;
+    for (int64_t h = 0; h < kHidden; ++h) scale = std::max(scale, std::fabs((double)ref[t * kHidden + h]));
+    for (int64_t h = 0; h < kHidden; ++h) {
+      const double a = got[t * kHidden + h], b = ref[t * kHidden + h];
+      ASSERT_TRUE(std::isfinite(a)) << what << ": token " << t << " left unwritten";
+      worst = std::max(worst, std::fabs(a - b) / scale);
+    }
+  }
+  EXPECT_LE(worst, 4.0 / 256) << what;  // 4 steps of bf16 (8 bits of mantissa) at the row's scale
+}
+
+bool backend_available(dist::EpBackend b, int ranks, std::string* why) {
+  if (b == dist::EpBackend::kP2p) return cuda::peer_access_available(first_devices(ranks), why);
+  return cuda::nccl_available(why);
+}
+
+const dist::EpBackend kBackends[] = {
+    dist::EpBackend::kLocalAllreduce, dist::EpBackend::kAllgatherReducescatter,
+    dist::EpBackend::kAlltoallPadded, dist::EpBackend::kAlltoallPacked, dist::EpBackend::kP2p};
+
+TEST(CudaEp, EveryBackendMatchesOneGpu) {
+  if (device_count() < 2) GTEST_SKIP() << "needs two or more CUDA devices";
+  for (int64_t tokens : {1, 7, 64, 300}) {
+    for (double skew : {1.0, 0.3}) {
+      const Problem p = make_problem(tokens, skew, static_cast<uint32_t>(tokens * 10 + (skew < 1)));
+      const Bits want = one_gpu(p);
+      for (int ranks : group_sizes())
+        for (dist::EpBackend b : kBackends) {
+          std::string why;
+          if (!backend_available(b, ranks, &why)) {
+            std::printf("[ SKIPPED  ] %s on %d GPUs: %s\n", dist::ep_backend_name(b), ranks, why.c_str());
+            continue;
+          }
+          const std::string what = std::string(dist::ep_backend_name(b)) + ", " +
+                                   std::to_string(ranks) + " GPUs, T=" + std::to_string(tokens) +
+                                   ", skew " + std::to_string(skew);
+          expect_matches(run_ep(b, ranks, p), want, what.c_str());
+        }
+    }
+  }
+}
+
+// The p2p layer captured once per rank and replayed with the routing rewritten in place between
+// replays: each replay equals the eager result for that routing.
+TEST(CudaEp, P2pGraphReplayWithNewRoutingMatchesEager) {
+  if (device_count() < 2) GTEST_SKIP() << "needs two or more CUDA devices";
+  std::string why;
+  if (!cuda::peer_access_available({0, 1}, &why)) GTEST_SKIP() << why;
+  const int ranks = 2;
+  const int64_t tokens = 48;
+  std::vector<Problem> problems;
+  for (uint32_t i = 0; i < 3; ++i) problems.push_back(make_problem(tokens, i == 1 ? 0.3 : 1.0, 500 + i));
+  // The weights of problem 0 serve all three (the routing and inputs change).
+  for (auto& p : problems) p.gate_up = problems[0].gate_up, p.down = problems[0].down;
+  std::vector<std::vector<Bits>> eager;
+  for (const auto& p : problems) eager.push_back(run_ep(dist::EpBackend::kP2p, ranks, p));
+
+  std::vector<std::vector<Bits>> replayed(problems.size(), std::vector<Bits>(ranks));
+  cuda::P2pExchange x(first_devices(ranks), kHidden, kTopK, tokens, 20.0);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      cudaSetDevice(r);
+      RankData d(problems[0], ranks, r);
+      cuda::EpExperts layer(config(dist::EpBackend::kP2p, ranks, r, tokens), d.gate_up.get(),
+                            d.down.get(), nullptr, &x);
+      cudaStream_t st;
+      cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      EXPECT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      layer.forward(d.x.get(), d.ids.get(), d.weights.get(), tokens, d.out.get(), st);
+      EXPECT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+      EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      for (size_t i = 0; i < problems.size(); ++i) {
+        d.x.upload(problems[i].x);
+        d.ids.upload(problems[i].ids);
+        d.weights.upload(problems[i].weights);
+        d.out.poison();
+        EXPECT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+        layer.check(st);
+        replayed[i][static_cast<size_t>(r)] = d.out.download();
+      }
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(st);
+    });
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < problems.size(); ++i)
+    for (int r = 0; r < ranks; ++r)
+      EXPECT_EQ(replayed[i][static_cast<size_t>(r)], eager[i][static_cast<size_t>(r)])
+          << "replay " << i << ", rank " << r;
+}
+
+// Rank 1 never calls: rank 0's dispatch wait gives up after the timeout and check() says so.
+TEST(CudaEp, P2pPeerThatNeverComesIsReportedNotHung) {
+  if (device_count() < 2) GTEST_SKIP() << "needs two or more CUDA devices";
+  std::string why;
+  if (!cuda::peer_access_available({0, 1}, &why)) GTEST_SKIP() << why;
+  const Problem p = make_problem(16, 1.0, 7);
+  cuda::P2pExchange x({0, 1}, kHidden, kTopK, p.tokens, 0.5);
+  cudaSetDevice(0);
+  RankData d(p, 2, 0);
+  cuda::EpExperts layer(config(dist::EpBackend::kP2p, 2, 0, p.tokens), d.gate_up.get(), d.down.get(),
+                        nullptr, &x);
+  const auto t0 = std::chrono::steady_clock::now();
+  layer.forward(d.x.get(), d.ids.get(), d.weights.get(), p.tokens, d.out.get(), nullptr);
+  try {
+    layer.check(nullptr);
+    ADD_FAILURE() << "a missing peer went unreported";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInternal);
+    EXPECT_NE(std::string(e.what()).find("dispatch on rank 0: no rows from rank 1"), std::string::npos)
+        << e.what();
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(s, 5.0) << "the wait is bounded by 0.5 s per stage";
+}
+
+TEST(CudaEp, RefusesBadConfigurations) {
+  if (device_count() < 1) GTEST_SKIP() << "no CUDA device: GPU test skipped";
+  auto code = [](auto&& f) -> std::optional<ErrorKind> {
+    try {
+      f();
+    } catch (const Error& e) {
+      return e.kind();
+    }
+    return std::nullopt;
+  };
+  cudaSetDevice(0);
+  const Problem p = make_problem(4, 1.0, 3);
+  RankData d(p, 2, 0);
+  auto make = [&](cuda::EpLayerConfig c) {
+    return [&d, c] { cuda::EpExperts l(c, d.gate_up.get(), d.down.get(), nullptr, nullptr); };
+  };
+  auto c = config(dist::EpBackend::kP2p, 2, 0, 4);
+  EXPECT_EQ(code(make(c)), ErrorKind::kInvalidArgument) << "p2p without its exchange";
+  c = config(dist::EpBackend::kAlltoallPacked, 2, 0, 4);
+  EXPECT_EQ(code(make(c)), ErrorKind::kInvalidArgument) << "a collective backend without a communicator";
+  c = config(dist::EpBackend::kLocalAllreduce, 9, 0, 4);
+  EXPECT_EQ(code(make(c)), ErrorKind::kInvalidArgument) << "more ranks than supported";
+  c = config(dist::EpBackend::kLocalAllreduce, 2, 2, 4);
+  EXPECT_EQ(code(make(c)), ErrorKind::kInvalidArgument) << "rank outside the group";
+  c = config(dist::EpBackend::kDeepep, 2, 0, 4);
+  EXPECT_EQ(code(make(c)), ErrorKind::kUnsupported) << "deepep";
+  EXPECT_EQ(code([] { cuda::P2pExchange x({0, 0}, kHidden, kTopK, 4); }), ErrorKind::kInvalidArgument)
+      << "a device listed twice";
+  EXPECT_EQ(code([] { cuda::P2pExchange x({0}, 12, kTopK, 4); }), ErrorKind::kInvalidArgument)
+      << "hidden not a multiple of 8";
+  // One rank, local_allreduce: no communicator needed, and the layer is the one-GPU layer.
+  c = config(dist::EpBackend::kLocalAllreduce, 1, 0, 4);
+  RankData all(p, 1, 0);
+  cuda::EpExperts one(c, all.gate_up.get(), all.down.get(), nullptr, nullptr);
+  one.forward(all.x.get(), all.ids.get(), all.weights.get(), 4, all.out.get(), nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(code([&] { one.forward(all.x.get(), all.ids.get(), all.weights.get(), 5, all.out.get(), nullptr); }),
+            ErrorKind::kInvalidArgument)
+      << "more tokens than the layer was made for";
+  expect_matches({all.out.download()}, one_gpu(p), "one rank");
+}
+
+}  // namespace
+}  // namespace moe
