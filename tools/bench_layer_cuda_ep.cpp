@@ -260,7 +260,16 @@ ModeResult run_mode(const Layer& L, const Mode& m, int ep, int64_t tokens,
     for (auto& e : errors)
       if (e) std::rethrow_exception(e);
   } else {
-    cuda::run_gpu_ranks(devices, [&](int r, dist::Communicator& comm) { body(r, &comm); });
+    // A rank that fails leaves the barriers (its peers then fail in their collectives, within
+    // the group's timeout) instead of leaving them waiting.
+    cuda::run_gpu_ranks(devices, [&](int r, dist::Communicator& comm) {
+      try {
+        body(r, &comm);
+      } catch (...) {
+        sync.arrive_and_drop();
+        throw;
+      }
+    });
   }
   for (const auto& s : stats) {
     res.stats.dispatch_bytes += s.dispatch_bytes;
@@ -310,8 +319,8 @@ int run_layer_bench_cuda_ep(const LayerBenchArgs& a, int64_t experts, int64_t hi
   if (a.tokens > 0) sweep = {a.tokens};
   else if (std::string(name) == "seed") sweep = {preset_tokens};
   else
-    for (int64_t per_rank : {1, 8, 32, 128, 256, 2048, 8192})
-      if (per_rank * a.ep <= 16384) sweep.push_back(per_rank * a.ep);
+    for (int64_t per_rank : {1, 8, 32, 128, 256, 4096, 16384})  // decode, then prefill sizes
+      if (per_rank * a.ep <= 65536) sweep.push_back(per_rank * a.ep);
 
   cudaDeviceProp prop;
   MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));

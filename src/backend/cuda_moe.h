@@ -38,7 +38,7 @@ class Experts {
  public:
   // gate_up: bf16 [experts, 2 * inter, hidden] (gate rows, then up rows); down: bf16
   // [experts, hidden, inter]; both on `device`, 16-byte aligned, alive as long as this object.
-  // max_tokens (1 to 16384) bounds M. Throws kUnsupported for a shape neither path runs or when
+  // max_tokens (1 to 65536) bounds M. Throws kUnsupported for a shape neither path runs or when
   // no CUDA device `device` exists; kInvalidArgument for a malformed shape.
   Experts(const void* gate_up, const void* down, ExpertShape shape, int64_t max_tokens,
           int device = 0);

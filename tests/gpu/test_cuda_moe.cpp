@@ -532,7 +532,7 @@ TEST(CudaMoe, RefusesWhatItCannotRun) {
   w.down = Tensor::zeros({4, 4104, 64});
   EXPECT_THROW(cuda::DecodeExperts(w, 4, 2), Error);
   EXPECT_THROW(cuda::Experts::workspace_bytes({4, 4104, 64, 2}, 4), Error);
-  EXPECT_THROW(cuda::Experts::workspace_bytes({4, 64, 64, 2}, 16385), Error);  // past max_tokens
+  EXPECT_THROW(cuda::Experts::workspace_bytes({4, 64, 64, 2}, 65537), Error);  // past max_tokens
   EXPECT_FALSE(cuda::experts_support({4, 4096, 64, 2}, ExpertPath::kGemv));
   EXPECT_TRUE(cuda::experts_support({4, 4096, 64, 2}, ExpertPath::kGemm));
   if (!gputest::have_gpu()) {

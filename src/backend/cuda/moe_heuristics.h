@@ -34,7 +34,9 @@ constexpr int64_t kGemvWidthMultiple = 8;
 // (DeepSeek-V3: hidden 7168, inter 2048).
 constexpr int64_t kGemmMaxWidth = 8192;
 constexpr int64_t kGemmWidthMultiple = 64;
-constexpr int64_t kMaxTokens = 16384;
+// Rows of one forward: a prefill chunk on one GPU, or what an expert-parallel rank receives
+// (ranks x tokens per rank). The workspace grows with it (qwen3-30b-a3b at 65536: ~3 GB).
+constexpr int64_t kMaxTokens = 65536;
 
 // Where the shape allows both, the GEMV path is used up to this many routed slots per touched
 // expert on average (M * k / min(E, M * k)). Measured on an H200 (both paths timed at each M by
@@ -101,6 +103,18 @@ inline bool prefer_gemv(int64_t tokens, int64_t top_k, int64_t experts) {
   const int64_t slots = tokens * top_k;
   const int64_t touched = slots < experts ? slots : experts;
   return static_cast<double>(slots) / static_cast<double>(touched) <= kGemvMaxSlotsPerExpert;
+}
+
+// The wgmma path's blocks take 256 weight rows (output columns) each; where the worst-case grid
+// of the down projection (row tiles x hidden / 256 column tiles) is smaller than the device's
+// multiprocessor count, blocks of 128 rows run instead, for twice the blocks. Small layers need
+// it: the seed workload's (8 experts, hidden 512) down projection had 16 blocks for 132
+// multiprocessors and took 11.4 µs for 8 MB of weights (ncu, H200, 2026-11-22). Measured gain
+// (moe-bench layer --device cuda --tokens M, H200): seed M = 8 31.0 -> 29.6 µs, 64: 32.8 -> 30.5,
+// 128: 33.7 -> 31.2; still ~5x the floor, since each block walks all of K (16 steps of 64 for the
+// down projection) whatever its share of the rows: split-K is what would cut it further.
+inline bool wgmma_narrow_tiles(int64_t max_row_tiles, int64_t hidden, int multiprocessors) {
+  return max_row_tiles * ((hidden + 255) / 256) < multiprocessors;
 }
 
 // Upper bound on the row tiles of a forward with `slots` routed rows: sum over experts of

@@ -27,12 +27,14 @@ namespace moe::cuda::kernels {
 namespace {
 
 constexpr int BK = 64;  // one 128-byte swizzle atom of bf16 along k
-constexpr int BN = 256; // weight rows per block
 constexpr int kThreads = 384;
 [[maybe_unused]] constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 * 56 + 256 * 224 <= 64K
 
-template <int BM>
+// BM activation rows x BN weight rows per block: BN 256 normally, 128 where the grid of 256-row
+// tiles would leave multiprocessors idle (heuristics::wgmma_narrow_tiles).
+template <int BM, int BN>
 struct Cfg {
+  static_assert(BN == 256 || BN == 128, "weight rows per block");
   static constexpr int kParts = BM == 128 ? 1 : 2;  // weight-row parts, one per consumer at BM 64
   static constexpr int WN = BN / kParts;            // wgmma N of one consumer
   static constexpr int kBoxRows = WN / 2;           // rows of one TMA box (gate or up half of a part)
@@ -184,10 +186,25 @@ __device__ __forceinline__ void wgmma_m64n256(float (&d)[128], uint64_t a, uint6
       : "l"(a), "l"(b), "r"(1));
 }
 
+__device__ __forceinline__ void wgmma_m64n64(float (&d)[32], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(1));
+}
+
 template <int N>
 __device__ __forceinline__ void wgmma_tile(float (&d)[N / 2], uint64_t a, uint64_t b) {
   if constexpr (N == 256) wgmma_m64n256(d, a, b);
-  else wgmma_m64n128(d, a, b);
+  else if constexpr (N == 128) wgmma_m64n128(d, a, b);
+  else wgmma_m64n64(d, a, b);
 }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
@@ -199,7 +216,7 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); 
 // stages while the consumers finish the last one and write its epilogue.
 // wmap: the weights as a 2-D tensor [experts * rows, K] (gate_up: rows = 2 * inter, K = hidden;
 // down: rows = hidden, K = inter), box 64 x Cfg::kBoxRows.
-template <int BM, bool kGateUp>
+template <int BM, int BN, bool kGateUp>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
     const __grid_constant__ CUtensorMap wmap, const __nv_bfloat16* __restrict__ a_src,
     const int* __restrict__ order, const int* __restrict__ offsets,
@@ -207,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
     const int* __restrict__ num_tiles, const float* __restrict__ weights, int hidden, int inter,
     int top_k, int col_tiles, __nv_bfloat16* __restrict__ out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = Cfg<BM>;
+  using C = Cfg<BM, BN>;
   constexpr int S = C::kStages;
   const int items = *num_tiles * col_tiles;
   if (static_cast<int>(blockIdx.x) >= items) return;
@@ -403,16 +420,16 @@ cudaError_t weight_map(CUtensorMap* map, const void* w, uint64_t rows, uint64_t 
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <int BM>
+template <int BM, int BN>
 cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weights, int max_tiles,
                       cudaStream_t stream) {
-  using C = Cfg<BM>;
+  using C = Cfg<BM, BN>;
   CUtensorMap gate_up_map, down_map;
   cudaError_t err = weight_map(&gate_up_map, b.gate_up, uint64_t(b.experts) * 2 * b.inter, b.hidden, C::kBoxRows);
   if (err == cudaSuccess) err = weight_map(&down_map, b.down, uint64_t(b.experts) * b.hidden, b.inter, C::kBoxRows);
   if (err != cudaSuccess) return err;
-  auto* gate_up = wgmma_gemm_kernel<BM, true>;
-  auto* down = wgmma_gemm_kernel<BM, false>;
+  auto* gate_up = wgmma_gemm_kernel<BM, BN, true>;
+  auto* down = wgmma_gemm_kernel<BM, BN, false>;
   // Per device, not a stream operation: harmless inside a graph capture.
   err = cudaFuncSetAttribute(gate_up, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (err == cudaSuccess) err = cudaFuncSetAttribute(down, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
@@ -447,10 +464,18 @@ cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const in
   if (b.hidden % BK != 0 || b.inter % BK != 0) return cudaErrorInvalidValue;
   const int max_tiles = static_cast<int>(
       heuristics::max_row_tiles(static_cast<int64_t>(tokens) * b.top_k, b.experts, tile_m));
-  cudaError_t err = launch_plan(b, ids, tokens, tile_m, stream);
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = launch_plan(b, ids, tokens, tile_m, stream);
   if (err != cudaSuccess) return err;
-  err = tile_m == 64 ? run_gemms<64>(b, x, weights, max_tiles, stream)
-                     : run_gemms<128>(b, x, weights, max_tiles, stream);
+  const bool narrow = heuristics::wgmma_narrow_tiles(max_tiles, b.hidden, sms);
+  if (tile_m == 64)
+    err = narrow ? run_gemms<64, 128>(b, x, weights, max_tiles, stream)
+                 : run_gemms<64, 256>(b, x, weights, max_tiles, stream);
+  else
+    err = narrow ? run_gemms<128, 128>(b, x, weights, max_tiles, stream)
+                 : run_gemms<128, 256>(b, x, weights, max_tiles, stream);
   if (err != cudaSuccess) return err;
   return launch_combine(b, ids, tokens, true, y, stream);
 }

@@ -11,6 +11,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include "backend/cuda/ops_launch.h"
 #include "backend/cuda/pdl.h"
 #include "backend/cuda/route_device.cuh"
@@ -177,10 +179,19 @@ template <int P>
 cudaError_t launch_norm_route(const NormRouteParams& q, const RouterParams& p, int tokens,
                               int group_lanes, int32_t* ids, float* weights, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>(tokens) * q.hidden * 2;
-  // With the static arrays the block takes more than the default 48 KB: opt in once.
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      norm_route_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, kNormRouteMaxElements * 2);
+  // With the static arrays the block takes more than the default 48 KB: opt in once per device
+  // (the attribute is the current device's; one process may drive several GPUs).
+  static std::atomic<uint64_t> opted_in{0};
+  int device = 0;
+  cudaError_t attr = cudaGetDevice(&device);
   if (attr != cudaSuccess) return attr;
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit == 0 || !(opted_in.load() & bit)) {
+    attr = cudaFuncSetAttribute(norm_route_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                kNormRouteMaxElements * 2);
+    if (attr != cudaSuccess) return attr;
+    opted_in.fetch_or(bit);
+  }
   const int blocks = (p.experts + kWarps - 1) / kWarps;
   launch_dependent(norm_route_kernel<P>, dim3(blocks), dim3(kWarps * 32), smem, stream, q, p, tokens,
                    group_lanes, ids, weights);
