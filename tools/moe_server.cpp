@@ -1,4 +1,5 @@
-// moe-server: an OpenAI-compatible HTTP server over the continuous-batching scheduler (CPU).
+// moe-server: an OpenAI-compatible HTTP server over a continuous-batching scheduler: the CPU model
+// (serve::Scheduler) or, with --device cuda, the CUDA engine on one GPU (serve::GpuScheduler).
 //
 // One engine thread owns the model and the scheduler and runs steps while there is work. HTTP
 // handler threads never touch the scheduler: they queue submissions and cancellations for the
@@ -24,6 +25,9 @@
 #include "io/tokenizer.h"
 #include "model/model.h"
 #include "moe/errors.h"
+#include "backend/cuda_engine.h"
+#include "backend/device_info.h"
+#include "serve/gpu_scheduler.h"
 #include "serve/scheduler.h"
 
 namespace fs = std::filesystem;
@@ -72,8 +76,8 @@ struct Histogram {
 
 class Engine {
  public:
-  Engine(Model& model, const serve::SchedulerConfig& cfg, const Tokenizer& tok)
-      : scheduler_(model, cfg, &tok), thread_([this] { loop(); }) {}
+  explicit Engine(std::unique_ptr<serve::Batcher> scheduler)
+      : scheduler_(std::move(scheduler)), thread_([this] { loop(); }) {}
   ~Engine() { shutdown(); }
 
   // Blocks until the engine accepted or rejected the job; returns the rejection ("" if taken).
@@ -139,23 +143,23 @@ class Engine {
       bool stopping;
       {
         std::unique_lock lock(m_);
-        cv_.wait(lock, [&] { return stopping_ || !incoming_.empty() || !cancels_.empty() || scheduler_.busy(); });
+        cv_.wait(lock, [&] { return stopping_ || !incoming_.empty() || !cancels_.empty() || scheduler_->busy(); });
         incoming.swap(incoming_);
         cancels.swap(cancels_);
         stopping = stopping_;
       }
       for (auto& job : incoming) take(job);
-      for (auto& job : cancels) scheduler_.cancel(job->id);  // false when it already finished
+      for (auto& job : cancels) scheduler_->cancel(job->id);  // false when it already finished
       if (stopping)
-        for (auto& [id, live] : live_) scheduler_.cancel(id);
+        for (auto& [id, live] : live_) scheduler_->cancel(id);
       std::vector<serve::Event> events;
       try {
-        events = scheduler_.step();
+        events = scheduler_->step();
       } catch (const std::exception& e) {
         // A failed forward must not strand the waiting clients: end every request.
         std::fprintf(stderr, "error: %s\n", e.what());
-        for (auto& [id, live] : live_) scheduler_.cancel(id);
-        events = scheduler_.step();
+        for (auto& [id, live] : live_) scheduler_->cancel(id);
+        events = scheduler_->step();
       }
       deliver(events);
       if (stopping && live_.empty()) return;
@@ -165,7 +169,7 @@ class Engine {
   void take(const std::shared_ptr<Job>& job) {
     std::string error;
     try {
-      job->id = scheduler_.submit(job->prompt, job->options);
+      job->id = scheduler_->submit(job->prompt, job->options);
       live_[job->id] = {job, Clock::now()};
     } catch (const Error& e) {
       error = e.message();
@@ -184,7 +188,7 @@ class Engine {
   void deliver(std::vector<serve::Event>& events) {
     const auto now = Clock::now();
     std::lock_guard mlock(metrics_m_);
-    stats_ = scheduler_.stats();
+    stats_ = scheduler_->stats();
     for (serve::Event& e : events) {
       auto it = live_.find(e.id);
       if (it == live_.end()) continue;
@@ -206,7 +210,7 @@ class Engine {
     }
   }
 
-  serve::Scheduler scheduler_;
+  std::unique_ptr<serve::Batcher> scheduler_;
   std::map<uint64_t, Live> live_;  // engine thread only
   std::mutex m_;
   std::condition_variable cv_;
@@ -260,7 +264,7 @@ T field(const json& body, const char* name, T fallback) {
 }
 
 struct Server {
-  Model& model;
+  const ModelConfig& config;
   Tokenizer tok;
   std::optional<ChatTemplate> chat;
   std::string model_name;
@@ -308,7 +312,7 @@ struct Server {
       for (const auto& s : o.stop_strings)
         if (s.empty()) bad("a stop string must not be empty", "stop");
     }
-    o.stop_ids = model.config().eos_token_ids;
+    o.stop_ids = config.eos_token_ids;
     return o;
   }
 
@@ -446,7 +450,7 @@ struct Server {
 
 int main(int argc, char** argv) {
   return cli::guarded([&] {
-    CLI::App app{"moe-server: OpenAI-compatible HTTP server (CPU)"};
+    CLI::App app{"moe-server: OpenAI-compatible HTTP server (CPU or one CUDA GPU)"};
     std::string model_dir, tokenizer, host = "127.0.0.1", device = "cpu", name;
     int port = 8080, threads = 0, http_threads = 0;
     serve::SchedulerConfig cfg;
@@ -456,12 +460,14 @@ int main(int argc, char** argv) {
     app.add_option("--name", name, "model id clients use (default: the directory name)");
     app.add_option("--host", host, "address to listen on");
     app.add_option("--port", port, "port to listen on (0: any free port, printed)");
-    app.add_option("--device", device, "cpu (the only device the server runs on so far)");
+    app.add_option("--device", device, "cpu | cuda (one GPU: the CUDA engine, decode steps from CUDA graphs)");
+    bool random_weights = false;
+    app.add_flag("--random-weights", random_weights, "cuda: config.json only, weights drawn on the device");
     app.add_option("-t,--threads", threads, "CPU threads for the model (0: all)");
     app.add_option("--http-threads", http_threads, "HTTP worker threads (0: 2 x max-batch + 8)");
     app.add_option("--max-batch", cfg.max_batch, "requests running at once");
     app.add_option("--max-step-tokens", cfg.max_step_tokens, "tokens computed per step");
-    app.add_option("--kv-blocks", cfg.kv_blocks, "KV cache blocks (0: enough for max-batch full contexts)");
+    app.add_option("--kv-blocks", cfg.kv_blocks, "KV cache blocks (0: enough for max-batch full contexts; cuda: capped by free memory)");
     app.add_option("--block-size", cfg.block_size, "tokens per KV block");
     app.add_option("--ctx", cfg.max_context, "context per request (0: the model's)");
     try {
@@ -469,7 +475,8 @@ int main(int argc, char** argv) {
     } catch (const CLI::ParseError& e) {
       return app.exit(e);
     }
-    MOE_CHECK(device == "cpu", kUnsupported, "--device {}: the server runs on the CPU only so far", device);
+    MOE_CHECK(device == "cpu" || device == "cuda", kInvalidArgument, "--device {}: valid devices are cpu and cuda", device);
+    MOE_CHECK(!random_weights || device == "cuda", kInvalidArgument, "--random-weights needs --device cuda");
     MOE_CHECK(port >= 0 && port <= 65535, kInvalidArgument, "--port {} is not a port number", port);
 
     // Block the shutdown signals before any thread starts, so that only the waiter below sees them.
@@ -479,11 +486,27 @@ int main(int argc, char** argv) {
     sigaddset(&signals, SIGINT);
     pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-    LoadOptions lo;
-    lo.threads = threads;
-    auto model = Model::load(model_dir, lo);
-    const ModelConfig& mc = model->config();
+    MOE_CHECK(fs::is_directory(model_dir), kIo, "model directory {} does not exist", model_dir);
     const std::string tok_path = cli::tokenizer_path(model_dir, tokenizer);
+    Tokenizer tok = Tokenizer::from_file(tok_path);
+    std::unique_ptr<Model> model;
+    std::unique_ptr<cuda::Engine> gpu;
+    if (device == "cuda") {
+      cuda::EngineOptions eo;
+      eo.max_batch = static_cast<int>(cfg.max_batch);
+      eo.max_context = cfg.max_context;
+      eo.kv_blocks = cfg.kv_blocks;
+      eo.block_size = static_cast<int>(cfg.block_size);
+      eo.random_weights = random_weights;
+      eo.progress = true;
+      eo.sampled_vocab = tok.vocab_size();
+      gpu = cuda::Engine::load(model_dir, eo);
+    } else {
+      LoadOptions lo;
+      lo.threads = threads;
+      model = Model::load(model_dir, lo);
+    }
+    const ModelConfig& mc = gpu ? gpu->config() : model->config();
     const fs::path config = fs::path(tok_path).parent_path() / "tokenizer_config.json";
     std::optional<ChatTemplate> chat;
     if (fs::exists(config)) {
@@ -493,15 +516,33 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "no chat template: %s\n", e.what());
       }
     }
-    const int64_t context = cfg.max_context > 0 ? cfg.max_context : mc.max_position_embeddings;
-    if (cfg.kv_blocks == 0) cfg.kv_blocks = cfg.max_batch * ((context + cfg.block_size - 1) / std::max<int64_t>(cfg.block_size, 1));
-    Tokenizer tok = Tokenizer::from_file(tok_path);
-    Engine engine(*model, cfg, tok);
-    std::fprintf(stderr, "moe-server: KV cache of %lld blocks of %lld tokens (%.2f GB)\n",
-                 static_cast<long long>(cfg.kv_blocks), static_cast<long long>(cfg.block_size),
-                 static_cast<double>(cfg.kv_blocks) * cfg.block_size * mc.num_layers *
-                     (mc.kv_key_width() + mc.kv_value_width()) * 4 / 1e9);
-    Server s{*model, tok, chat, name.empty() ? fs::path(model_dir).filename().string() : name, context, engine};
+    std::unique_ptr<serve::Batcher> scheduler;
+    int64_t context = 0;
+    if (gpu) {
+      serve::GpuSchedulerConfig gc;
+      gc.max_step_tokens = cfg.max_step_tokens;
+      gc.max_context = cfg.max_context;
+      scheduler = std::make_unique<serve::GpuScheduler>(*gpu, gc, &tok);
+      context = gpu->options().max_context;
+      const cuda::MemoryReport m = gpu->memory();
+      std::string gpu_name = "GPU " + std::to_string(gpu->options().device);
+      for (const GpuInfo& g : cuda_devices())
+        if (g.index == gpu->options().device) gpu_name = g.name;
+      std::fprintf(stderr, "moe-server: %s: weights %.2f GB, KV cache %lld blocks of %d tokens (%.2f GB), workspace %.2f GB\n",
+                   gpu_name.c_str(), m.weights / 1e9,
+                   static_cast<long long>(m.kv_blocks), gpu->options().block_size, m.kv_cache / 1e9,
+                   m.workspace / 1e9);
+    } else {
+      context = cfg.max_context > 0 ? cfg.max_context : mc.max_position_embeddings;
+      if (cfg.kv_blocks == 0) cfg.kv_blocks = cfg.max_batch * ((context + cfg.block_size - 1) / std::max<int64_t>(cfg.block_size, 1));
+      scheduler = std::make_unique<serve::Scheduler>(*model, cfg, &tok);
+      std::fprintf(stderr, "moe-server: KV cache of %lld blocks of %lld tokens (%.2f GB)\n",
+                   static_cast<long long>(cfg.kv_blocks), static_cast<long long>(cfg.block_size),
+                   static_cast<double>(cfg.kv_blocks) * cfg.block_size * mc.num_layers *
+                       (mc.kv_key_width() + mc.kv_value_width()) * 4 / 1e9);
+    }
+    Engine engine(std::move(scheduler));
+    Server s{mc, tok, chat, name.empty() ? fs::path(model_dir).filename().string() : name, context, engine};
 
     httplib::Server http;
     const int workers = http_threads > 0 ? http_threads : static_cast<int>(2 * cfg.max_batch + 8);

@@ -7,16 +7,6 @@
 
 namespace moe::serve {
 
-const char* finish_reason_name(FinishReason r) {
-  switch (r) {
-    case FinishReason::kLength: return "length";
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kCancelled: return "cancelled";
-    case FinishReason::kNone: break;
-  }
-  return "none";
-}
-
 struct Scheduler::Request {
   Request(uint64_t id, std::vector<int32_t> prompt, const RequestOptions& opts, KvBlockPool& pool)
       : id(id), tokens(std::move(prompt)), prompt_len(static_cast<int64_t>(tokens.size())),
@@ -30,8 +20,7 @@ struct Scheduler::Request {
   KvCache cache;    // cache.length() tokens of `tokens` have their keys and values computed
   std::vector<uint64_t> block_keys;  // prefix keys of the full blocks of `tokens`, as far as known
   int64_t published = 0;             // leading blocks of the cache already published
-  std::optional<StreamDecoder> decoder;
-  std::string held;  // decoded text not sent yet (it may begin a stop string)
+  std::optional<OutputFilter> output;  // set at submit
   int64_t planned = 0;  // tokens the current step computes for it
   bool running = false;
 
@@ -62,19 +51,6 @@ SchedulerConfig checked(SchedulerConfig c, const ModelConfig& mc) {
   return c;
 }
 
-// The length of the longest tail of `text` that is the beginning of some stop string (and not a
-// whole one): that much must wait for the next tokens before it can be sent.
-size_t held_back(const std::string& text, const std::vector<std::string>& stops) {
-  size_t keep = 0;
-  for (const std::string& s : stops)
-    for (size_t k = std::min(text.size(), s.size() - 1); k > keep; --k)
-      if (text.compare(text.size() - k, k, s, 0, k) == 0) {
-        keep = k;
-        break;
-      }
-  return keep;
-}
-
 }  // namespace
 
 Scheduler::Scheduler(Model& model, const SchedulerConfig& config, const Tokenizer* tokenizer)
@@ -92,33 +68,11 @@ Scheduler::Scheduler(Model& model, const SchedulerConfig& config, const Tokenize
 Scheduler::~Scheduler() = default;
 
 uint64_t Scheduler::submit(std::vector<int32_t> prompt, const RequestOptions& options) {
-  const int64_t vocab = model_.config().vocab_size, n = static_cast<int64_t>(prompt.size());
-  MOE_CHECK(n > 0, kInvalidArgument, "empty prompt: at least one token is needed");
-  for (int32_t id : prompt)
-    MOE_CHECK(id >= 0 && id < vocab, kInvalidArgument, "prompt token id {} is outside the vocabulary [0, {})",
-              id, vocab);
-  MOE_CHECK(options.max_tokens >= 1, kInvalidArgument, "max_tokens must be at least 1, got {}",
-            options.max_tokens);
-  MOE_CHECK(options.max_tokens <= config_.max_context - n, kInvalidArgument,  // no overflow
-            "a prompt of {} tokens plus max_tokens {} exceeds the context of {} tokens", n,
-            options.max_tokens, config_.max_context);
-  // The last generated token is never run through the model, so it needs no cache row.
-  const int64_t blocks = (n + options.max_tokens - 1 + config_.block_size - 1) / config_.block_size;
-  MOE_CHECK(blocks <= pool_.num_blocks(), kInvalidArgument,
-            "a prompt of {} tokens plus max_tokens {} needs {} KV blocks, the pool has {}", n,
-            options.max_tokens, blocks, pool_.num_blocks());
-  validate_sampling(options.sampling);
-  for (int32_t id : options.stop_ids)
-    MOE_CHECK(id >= 0 && id < vocab, kInvalidArgument, "stop token id {} is outside the vocabulary [0, {})",
-              id, vocab);
-  MOE_CHECK(options.stop_strings.empty() || tokenizer_, kInvalidArgument,
-            "stop strings need a tokenizer");
-  for (const std::string& s : options.stop_strings)
-    MOE_CHECK(!s.empty(), kInvalidArgument, "a stop string must not be empty");
-
+  check_request(prompt, options, model_.config().vocab_size, config_.max_context, pool_.num_blocks(),
+                config_.block_size, tokenizer_ != nullptr);
   const uint64_t id = next_id_++;
   auto r = std::make_unique<Request>(id, std::move(prompt), options, pool_);
-  if (tokenizer_) r->decoder.emplace(*tokenizer_, /*skip_special=*/false);
+  r->output.emplace(options, tokenizer_);
   waiting_.push_back(r.get());
   requests_.emplace(id, std::move(r));
   return id;
@@ -185,29 +139,6 @@ void Scheduler::preempt(Request& r) {
   r.running = false;
   waiting_.push_front(&r);
   ++stats_.preemptions;
-}
-
-// Decodes the new token, applies stop ids, stop strings and max_tokens, and fills the event.
-void Scheduler::stop_check(Request& r, Event& event) {
-  const int32_t token = event.token;
-  const RequestOptions& o = r.options;
-  const bool stop_id = std::find(o.stop_ids.begin(), o.stop_ids.end(), token) != o.stop_ids.end();
-  const int64_t generated = static_cast<int64_t>(r.tokens.size()) - r.prompt_len;
-  bool final = stop_id || generated >= o.max_tokens;
-  event.finish = stop_id ? FinishReason::kStop : final ? FinishReason::kLength : FinishReason::kNone;
-  if (!r.decoder) return;
-  if (!stop_id) r.held += r.decoder->push(token);
-  if (final) r.held += r.decoder->flush();
-  size_t cut = std::string::npos;
-  for (const std::string& s : o.stop_strings) cut = std::min(cut, r.held.find(s));
-  if (cut != std::string::npos) {
-    r.held.resize(cut);
-    final = true;
-    event.finish = FinishReason::kStop;
-  }
-  const size_t send = final ? r.held.size() : r.held.size() - held_back(r.held, o.stop_strings);
-  event.text = r.held.substr(0, send);
-  r.held.erase(0, send);
 }
 
 std::vector<Event> Scheduler::step() {
@@ -294,9 +225,9 @@ std::vector<Event> Scheduler::step() {
     if (remaining(r) > 0) continue;  // a prompt chunk short of the end: nothing to sample yet
     Event e;
     e.id = r->id;
-    e.token = r->sampler.sample(logits[i].data<float>(), usable_vocab_);
-    r->tokens.push_back(e.token);
-    stop_check(*r, e);
+    const int32_t token = r->sampler.sample(logits[i].data<float>(), usable_vocab_);
+    r->tokens.push_back(token);
+    r->output->push(token, static_cast<int64_t>(r->tokens.size()) - r->prompt_len, e);
     if (e.finish != FinishReason::kNone) done.push_back(r);
     events.push_back(std::move(e));
   }

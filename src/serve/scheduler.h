@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "io/tokenizer.h"
+#include "serve/batcher.h"
 #include "model/model.h"
 #include "runtime/kv_cache.h"
 #include "runtime/sampler.h"
@@ -36,37 +37,7 @@ struct SchedulerConfig {
   bool prefix_reuse = true;
 };
 
-struct RequestOptions {
-  SamplingParams sampling;
-  int64_t max_tokens = 16;
-  std::vector<int32_t> stop_ids;          // generating one of these ends the request
-  std::vector<std::string> stop_strings;  // text that ends the request (needs a tokenizer)
-};
-
-enum class FinishReason { kNone, kLength, kStop, kCancelled };
-const char* finish_reason_name(FinishReason r);  // "length", "stop", "cancelled"
-
-// What one step did for one request.
-struct Event {
-  uint64_t id = 0;
-  int32_t token = -1;  // the token generated, -1 for none (cancelled)
-  // With a tokenizer: the text that became final with this token. Text that may be the start of
-  // a stop string is held back until it is known not to be; a stop string and what follows it
-  // are never sent; stop ids add no text.
-  std::string text;
-  FinishReason finish = FinishReason::kNone;
-};
-
-struct SchedulerStats {
-  int64_t waiting = 0, running = 0;
-  int64_t blocks_total = 0, blocks_used = 0, blocks_cached = 0;
-  int64_t preemptions = 0;        // since construction
-  int64_t prefix_hit_tokens = 0;  // prompt tokens taken from shared blocks instead of computed
-  int64_t computed_tokens = 0;    // tokens run through the model
-  int64_t steps = 0;
-};
-
-class Scheduler {
+class Scheduler final : public Batcher {
  public:
   // `tokenizer` (may be null) turns tokens into text and enables stop strings; the model and the
   // tokenizer must outlive the scheduler. Throws kInvalidArgument for an impossible config.
@@ -77,16 +48,16 @@ class Scheduler {
   // empty prompt, an id outside the vocabulary, max_tokens < 1, a prompt plus max_tokens beyond
   // the context or the pool, bad sampling parameters, an empty stop string, or stop strings
   // without a tokenizer.
-  uint64_t submit(std::vector<int32_t> prompt, const RequestOptions& options);
+  uint64_t submit(std::vector<int32_t> prompt, const RequestOptions& options) override;
   // Ends a waiting or running request now and frees its blocks; the next step() reports it as
   // cancelled. False when no such request is live.
-  bool cancel(uint64_t id);
+  bool cancel(uint64_t id) override;
   // Runs one forward over the running batch (admitting waiting requests first) and returns what
   // happened: one event per request that generated a token, finished or was cancelled.
-  std::vector<Event> step();
+  std::vector<Event> step() override;
   // Whether any request is waiting or running.
-  bool busy() const { return !waiting_.empty() || !running_.empty(); }
-  SchedulerStats stats() const;
+  bool busy() const override { return !waiting_.empty() || !running_.empty(); }
+  SchedulerStats stats() const override;
   const KvBlockPool& pool() const { return pool_; }
 
  private:
@@ -96,7 +67,6 @@ class Scheduler {
   void publish_full_blocks(Request& r);
   void preempt(Request& r);
   void finish(Request& r, FinishReason reason, Event& event);
-  void stop_check(Request& r, Event& event);
 
   Model& model_;
   SchedulerConfig config_;

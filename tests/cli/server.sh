@@ -39,7 +39,11 @@ bad_flags() {
     fail "$name: exit $rc, stderr $err"
   fi
 }
-bad_flags "--device cuda" 'CPU only' -m "$model" --device cuda
+bad_flags "--device tpu" 'valid devices are cpu and cuda' -m "$model" --device tpu
+bad_flags "--random-weights on the CPU" 'needs --device cuda' -m "$model" --random-weights
+if ! nvidia-smi -L >/dev/null 2>&1; then  # without a GPU (or CUDA build) --device cuda says why
+  bad_flags "--device cuda without a GPU" 'CUDA' -m "$model" --device cuda
+fi
 bad_flags "missing model directory" 'does not exist' -m "$work/none"
 bad_flags "--max-batch 0" 'max_batch' -m "$model" --max-batch 0
 bad_flags "--port out of range" 'port' -m "$model" --port 70000
