@@ -382,22 +382,36 @@ struct Server {
                    {"created", created},
                    {"model", model_name}};
       if (!stream) {
-        std::string text;
-        int64_t tokens = 0;
-        const char* finish = "stop";
-        std::unique_lock lock(job->m);
-        job->cv.wait(lock, [&] { return job->finished; });
-        for (const auto& e : job->events) {
-          text += e.text;
-          tokens += e.token >= 0;
-          if (e.finish != serve::FinishReason::kNone) finish = serve::finish_reason_name(e.finish);
-        }
-        json out = head;
-        out["choices"] = json::array({choice(is_chat, false, text, finish, true)});
-        out["usage"] = {{"prompt_tokens", job->prompt.size()},
-                        {"completion_tokens", tokens},
-                        {"total_tokens", static_cast<int64_t>(job->prompt.size()) + tokens}};
-        res.set_content(dump(out), "application/json");
+        // The whole body at the end, but from a content provider that wakes now and then while
+        // the request runs: a client that went away is noticed then, and its request cancelled
+        // (a plain handler would only learn of it when writing the finished answer).
+        res.set_chunked_content_provider(
+            "application/json",
+            [job, head, is_chat](size_t, httplib::DataSink& sink) {
+              std::unique_lock lock(job->m);
+              if (!job->cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return job->finished; }))
+                return sink.is_writable();
+              std::string text;
+              int64_t tokens = 0;
+              const char* finish = "stop";
+              for (const auto& e : job->events) {
+                text += e.text;
+                tokens += e.token >= 0;
+                if (e.finish != serve::FinishReason::kNone) finish = serve::finish_reason_name(e.finish);
+              }
+              json out = head;
+              out["choices"] = json::array({choice(is_chat, false, text, finish, true)});
+              out["usage"] = {{"prompt_tokens", job->prompt.size()},
+                              {"completion_tokens", tokens},
+                              {"total_tokens", static_cast<int64_t>(job->prompt.size()) + tokens}};
+              const std::string body = dump(out);
+              if (!sink.write(body.data(), body.size())) return false;
+              sink.done();
+              return true;
+            },
+            [this, job](bool success) {
+              if (!success) engine.cancel(job);
+            });
         return;
       }
       auto first = std::make_shared<bool>(true);

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # moe-server end to end on loopback with the bundled tiny model: the official `openai` npm client
 # (installed into .cache/ on first use) against moe-cli generate's greedy text, 64 concurrent
-# streams, bad requests answered with OpenAI error bodies, a client that disconnects mid-stream
-# giving its blocks back, and a clean exit on SIGTERM.
+# streams, bad requests answered with OpenAI error bodies, a client that disconnects (mid-stream
+# or while waiting for a non-streaming answer) giving its blocks back, and a clean exit on SIGTERM.
 set -u
 server=${MOE_SERVER:?path to moe-server}
 cli=${MOE_CLI:?path to moe-cli}
@@ -139,6 +139,20 @@ if grep -q '^data: {' "$work/partial" && ! grep -q 'DONE' "$work/partial" && [ "
   ok "a disconnected stream frees its blocks"
 else
   fail "disconnect: $(grep -c '^data:' "$work/partial") chunks, blocks in use $(metric moe_kv_blocks_in_use)"
+fi
+# The same for a client that gives up on a non-streaming request before its answer exists.
+curl -s --max-time 2 -H 'Content-Type: application/json' \
+  --data-binary '{"prompt": "Hello", "max_tokens": 4000, "temperature": 0}' \
+  "$url/v1/completions" >"$work/partial_plain"
+freed=0
+for _ in $(seq 1 30); do
+  [ "$(metric moe_kv_blocks_in_use)" = 0 ] && [ "$(metric moe_running_requests)" = 0 ] && { freed=1; break; }
+  sleep 0.1
+done
+if [ ! -s "$work/partial_plain" ] && [ "$freed" = 1 ]; then
+  ok "a client that leaves a non-streaming request frees its blocks"
+else
+  fail "non-streaming disconnect: body $(head -c 80 "$work/partial_plain"), blocks in use $(metric moe_kv_blocks_in_use)"
 fi
 [ "$(request POST /v1/completions '{"prompt": "Hello there", "max_tokens": 8, "temperature": 0}')" = 200 ] &&
   grep -qF "$(node -e 'process.stdout.write(JSON.stringify(require("fs").readFileSync(process.argv[1], "utf8")))' "$work/text0")" "$work/body" &&
