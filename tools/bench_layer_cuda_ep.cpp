@@ -21,6 +21,7 @@
 #include "backend/cuda/blas.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/ops_launch.h"
+#include "backend/cuda/router_params.h"
 #include "backend/cuda_ep.h"
 #include "backend/nccl_communicator.h"
 #include "bench_common.h"
@@ -167,11 +168,7 @@ ModeResult run_mode(const Layer& L, const Mode& m, int ep, int64_t tokens,
       c.max_tokens = tokens;
       c.exchange_only = m.exchange_only;
       cuda::EpExperts layer(c, d_gu, d_dn, comm, exchange.get());
-      cuda::kernels::RouterParams rp;
-      rp.experts = static_cast<int>(L.experts);
-      rp.top_k = static_cast<int>(L.top_k);
-      rp.renormalize = L.router.renormalize ? 1 : 0;
-      rp.scaling = L.router.scaling;
+      const cuda::kernels::RouterParams rp = cuda::kernels::router_params(L.router, nullptr);
       // Small routers in one kernel (route_hidden), others as a cuBLASLt projection and route().
       auto route = [&] {
         if (cuda::kernels::route_hidden_supported(static_cast<int>(L.experts), static_cast<int>(L.hidden))) {

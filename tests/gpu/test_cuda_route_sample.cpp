@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "backend/cuda/ops_launch.h"
+#include "backend/cuda/router_params.h"
 #include "gpu_test_util.h"
 #include "moe/router.h"
 
@@ -195,14 +196,15 @@ TEST(CudaRoute, HiddenFoldedRouterMatchesCpuOnItsLogits) {
     dl.poison();
     dw.poison();
     di.poison();
-    k::RouterParams p;
-    p.experts = c.experts;
-    p.top_k = c.top_k;
-    p.sigmoid = c.sigmoid;
-    p.group_ranking = c.groups;
-    p.n_group = c.n_group;
-    p.topk_group = c.topk_group;
-    p.renormalize = c.renorm;
+    RouterConfig rc;
+    rc.num_experts = c.experts;
+    rc.top_k = c.top_k;
+    rc.scoring = c.sigmoid ? RouterScoring::kSigmoid : RouterScoring::kSoftmax;
+    rc.groups = c.groups == 0 ? GroupRanking::kNone : GroupRanking::kTop2Sum;
+    rc.n_group = c.n_group;
+    rc.topk_group = c.topk_group;
+    rc.renormalize = c.renorm;
+    const k::RouterParams p = k::router_params(rc, nullptr);
     ASSERT_TRUE(k::route_hidden_supported(c.experts, c.hidden));
     ASSERT_EQ(k::route_hidden(dx.get(), dr.get(), c.hidden, p, tokens, di.get(), dw.get(), dl.get(), nullptr),
               cudaSuccess);
@@ -219,14 +221,6 @@ TEST(CudaRoute, HiddenFoldedRouterMatchesCpuOnItsLogits) {
         const double got = logits[static_cast<size_t>(t) * c.experts + e];
         ASSERT_LE(std::abs(got - want), 1e-6 * mag + 1e-30) << "token " << t << " expert " << e;
       }
-    RouterConfig rc;
-    rc.num_experts = c.experts;
-    rc.top_k = c.top_k;
-    rc.scoring = c.sigmoid ? RouterScoring::kSigmoid : RouterScoring::kSoftmax;
-    rc.groups = c.groups == 0 ? GroupRanking::kNone : GroupRanking::kTop2Sum;
-    rc.n_group = c.n_group;
-    rc.topk_group = c.topk_group;
-    rc.renormalize = c.renorm;
     std::vector<int32_t> want_ids(static_cast<size_t>(tokens) * c.top_k);
     std::vector<float> want_w(want_ids.size());
     route(rc, logits.data(), nullptr, tokens, want_ids.data(), want_w.data());

@@ -10,6 +10,7 @@
 #include "backend/cuda/device_model.h"
 #include "backend/cuda/latent_attention_launch.h"
 #include "backend/cuda/ops_launch.h"
+#include "backend/cuda/router_params.h"
 #include "moe/errors.h"
 
 namespace moe::cuda {
@@ -383,16 +384,7 @@ struct Engine::State {
     const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
     const RouterConfig& rc = c.moe.router;
     const int t = static_cast<int>(tokens), hidden = static_cast<int>(c.hidden_size);
-    kernels::RouterParams rp;
-    rp.experts = static_cast<int>(rc.num_experts);
-    rp.top_k = static_cast<int>(rc.top_k);
-    rp.sigmoid = rc.scoring == RouterScoring::kSigmoid ? 1 : 0;
-    rp.group_ranking = rc.groups == GroupRanking::kNone ? 0 : rc.groups == GroupRanking::kMax ? 1 : 2;
-    rp.n_group = static_cast<int>(rc.n_group);
-    rp.topk_group = static_cast<int>(rc.topk_group);
-    rp.bias = rc.correction_bias ? L.router_bias : nullptr;
-    rp.renormalize = rc.renormalize ? 1 : 0;
-    rp.scaling = rc.scaling;
+    const kernels::RouterParams rp = kernels::router_params(rc, L.router_bias);
     // The fused kernel beats the three separate ones at 1-2 rows and loses from 4 on (H100,
     // qwen3-30b-a3b decode step: -7% at batch 1, -10% at 2, +1% at 4, +4% at 8): its one warp
     // per expert (16 blocks for 128 experts) leaves most of the device idle as rows grow.

@@ -274,11 +274,12 @@ EpExperts::EpExperts(const EpLayerConfig& config, const void* gate_up, const voi
         s.w_g = v.take<float>(t * kk);
         s.x_g = v.take<uint16_t>(t * h);
         break;
+      case dist::EpBackend::kP2p:
+        break;  // its rows go straight into the exchange's buffers
       default:
         s.pos = v.take<int>(cap * n);
         s.counts = v.take<int>(n);
         s.recv_counts = v.take<int>(n);
-        if (kind == dist::EpBackend::kP2p) break;
         s.send_x = v.take<uint16_t>(r * h);
         s.recv_x = v.take<uint16_t>(r * h);
         s.back = v.take<uint16_t>(r * h);
