@@ -15,7 +15,8 @@
 //                            synchronisation: nothing leaves the device, every wait is bounded,
 //                            and the whole layer can be captured in a CUDA graph.
 // The first four run their exchanges through a dist::Communicator of a cuda::NcclGroup (blocking
-// calls on the host); p2p through a P2pExchange shared by the ranks.
+// calls on the host); p2p through a P2pExchange shared by the ranks (its protocol, and why its
+// buffers are safe to reuse: docs/p2p_exchange.md).
 //
 // Arithmetic: bf16 rows, f32 sums. A rank sums its own slots of a token in slot order and rounds
 // to bf16; the ranks' partial rows are then added in rank order in f32 and rounded once. The
