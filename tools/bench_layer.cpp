@@ -201,6 +201,8 @@ int run_layer_bench(const LayerBenchArgs& args) {
   if (a.ep == 0) a.ep = gpu && a.preset != "seed" ? 1 : 2;
   if (a.dtype.empty()) a.dtype = gpu ? "bf16" : "f32";
   Shape shape = find_shape(a.preset);
+  MOE_CHECK(a.ep >= 1 && a.ep <= shape.experts, kInvalidArgument,
+            "--ep {} must be in [1, {}] (the number of experts)", a.ep, shape.experts);
   if (gpu) {
     MOE_CHECK(a.dtype == "bf16", kUnsupported,
               "--dtype {}: the CUDA experts compute in bf16 (pass --dtype bf16)", a.dtype);
@@ -213,8 +215,6 @@ int run_layer_bench(const LayerBenchArgs& args) {
   MOE_CHECK(a.dtype == "f32", kUnsupported,
             "--dtype {}: the CPU reference computes in f32 (bf16 runs on --device cuda)", a.dtype);
   if (a.tokens > 0) shape.tokens = a.tokens;
-  MOE_CHECK(a.ep >= 1 && a.ep <= shape.experts, kInvalidArgument,
-            "--ep {} must be in [1, {}] (the number of experts)", a.ep, shape.experts);
   MOE_CHECK(a.runs >= 1 && a.warmup >= 0, kInvalidArgument, "--runs must be >= 1, --warmup >= 0");
   const double weight_bytes = 3.0 * shape.experts * shape.hidden * shape.inter * 4;
   const double budget = 0.8 * physical_memory_bytes();

@@ -27,6 +27,10 @@ std::string cuda_status();
 // copy bandwidth in bytes/s counting bytes read and written (1 GiB copied 10 times), and the
 // dense bf16 matmul rate in FLOP/s (cuBLASLt, 8192^3, f32 accumulation). 0 without CUDA.
 double measure_copy_bandwidth(int device = 0);
+// One-way copy bandwidth from device `from` to device `to` in bytes/s (256 MiB copied 10 times,
+// peer access enabled where the pair has it, so the copy takes the direct link): the link the
+// expert-parallel exchanges cross. 0 without CUDA.
+double measure_peer_bandwidth(int from, int to);
 double measure_bf16_matmul_rate(int device = 0);
 
 }  // namespace moe

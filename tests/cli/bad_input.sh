@@ -85,6 +85,11 @@ expect bench_unknown_preset "unknown layer preset" -- "$bench" layer --preset gp
 expect bench_ep_too_large "must be in \\[1, 8\\]" -- "$bench" layer --ep 9
 expect bench_bad_device "valid devices are auto, cpu and cuda" -- "$bench" layer --device tpu
 expect bench_cuda_needs_bf16 "bf16|no CUDA backend" -- "$bench" layer --device cuda --dtype f32
+expect bench_cuda_bad_ep "must be in \\[1, 8\\]" -- "$bench" layer --device cuda --ep -1
+expect bench_cuda_ep_warmup "must be >= 1 here|no CUDA backend" -- "$bench" layer --device cuda --ep 2 --warmup 0
+if ! nvidia-smi -L >/dev/null 2>&1; then  # the GPU count is checked where there are too few
+  expect bench_cuda_ep_needs_gpus "needs 2 GPUs; this machine has 0|no CUDA backend" -- "$bench" layer --device cuda --ep 2
+fi
 expect bench_model_preset_without_weights "add --random-weights" -- "$bench" model --preset qwen3-moe-mid
 expect bench_model_too_big "this machine has" -- "$bench" model --preset deepseek-v3 --random-weights
 expect bench_model_bad_device "expected cpu or cuda" -- "$bench" model --preset qwen3-moe-mid --random-weights --device tpu

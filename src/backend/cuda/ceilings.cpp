@@ -1,5 +1,7 @@
 #include <cuda_runtime.h>
 
+#include <utility>
+
 #include "backend/cuda/blas.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/device_info.h"
@@ -40,6 +42,27 @@ double measure_copy_bandwidth(int device) {
   cudaFree(a);
   cudaFree(b);
   return 2.0 * static_cast<double>(bytes) / s;
+}
+
+double measure_peer_bandwidth(int from, int to) {
+  for (auto [a, b] : {std::pair{from, to}, std::pair{to, from}}) {
+    MOE_CUDA_CHECK(cudaSetDevice(a));
+    if (cudaDeviceEnablePeerAccess(b, 0) != cudaSuccess) cudaGetLastError();  // already on, or none
+  }
+  const size_t bytes = size_t(256) << 20;
+  void *src = nullptr, *dst = nullptr;
+  MOE_CUDA_CHECK(cudaSetDevice(to));
+  MOE_CUDA_CHECK(cudaMalloc(&dst, bytes));
+  MOE_CUDA_CHECK(cudaSetDevice(from));
+  MOE_CUDA_CHECK(cudaMalloc(&src, bytes));
+  const double s = seconds_per_call(nullptr, 10, [&] {
+    MOE_CUDA_CHECK(cudaMemcpyPeerAsync(dst, to, src, from, bytes, nullptr));
+  });
+  cudaFree(src);
+  MOE_CUDA_CHECK(cudaSetDevice(to));
+  cudaFree(dst);
+  MOE_CUDA_CHECK(cudaSetDevice(from));
+  return static_cast<double>(bytes) / s;
 }
 
 double measure_bf16_matmul_rate(int device) {

@@ -6,6 +6,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/ep_exchange_launch.h"
 #include "backend/cuda_moe.h"
+#include "moe/ep/ep_backend.h"  // token_shard: the shards the CPU backends use
 #include "moe/errors.h"
 #include "moe/placement.h"
 
@@ -311,16 +312,6 @@ void EpExperts::reset_stats() { s_->stats = EpStats{}; }
 size_t EpExperts::weight_bytes() const { return s_->experts->weight_bytes(); }
 size_t EpExperts::workspace_bytes() const { return s_->bytes; }
 
-namespace {
-
-std::pair<int64_t, int64_t> shard(int64_t tokens, int ranks, int rank) {
-  const int64_t base = tokens / ranks, extra = tokens % ranks;
-  const int64_t begin = rank * base + std::min<int64_t>(rank, extra);
-  return {begin, begin + base + (rank < extra ? 1 : 0)};
-}
-
-}  // namespace
-
 void EpExperts::forward(const uint16_t* x, const int32_t* ids, const float* weights,
                         int64_t tokens, uint16_t* out, void* stream) {
   State& s = *s_;
@@ -332,7 +323,7 @@ void EpExperts::forward(const uint16_t* x, const int32_t* ids, const float* weig
   auto* st = static_cast<cudaStream_t>(stream);
   const int n = c.ranks, me = c.rank;
   const int64_t T = tokens, H = c.hidden, K = c.top_k;
-  const auto [begin, end] = shard(T, n, me);
+  const auto [begin, end] = token_shard(T, n, me);
   const int S = static_cast<int>(end - begin);
   const int64_t cap = ceil_div(T, n);  // this call's slice of rows per (source, destination)
   k::EpRouting rt = s.routing;
@@ -344,7 +335,7 @@ void EpExperts::forward(const uint16_t* x, const int32_t* ids, const float* weig
   auto shard_sizes = [&](size_t per_token) {
     std::vector<size_t> v;
     for (int p = 0; p < n; ++p) {
-      auto [b, e] = shard(T, n, p);
+      auto [b, e] = token_shard(T, n, p);
       v.push_back(static_cast<size_t>(e - b) * per_token);
     }
     return v;

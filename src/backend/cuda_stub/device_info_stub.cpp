@@ -7,6 +7,7 @@ bool cuda_built() { return false; }
 std::vector<GpuInfo> cuda_devices() { return {}; }
 std::string cuda_status() { return "built without CUDA (configure with -DMOE_CUDA=ON)"; }
 double measure_copy_bandwidth(int) { return 0.0; }
+double measure_peer_bandwidth(int, int) { return 0.0; }
 double measure_bf16_matmul_rate(int) { return 0.0; }
 
 }  // namespace moe
