@@ -15,6 +15,7 @@ struct ModelBenchArgs {
   int output_len = 32;
   int threads = 0;
   int ep = 1;
+  int tp = 1;  // cuda: tensor-parallel attention over the --ep GPUs
   std::string ep_backend = "local_allreduce";
   std::string exec = "grouped";
   std::string device = "cpu";

@@ -28,6 +28,7 @@ double since(std::chrono::steady_clock::time_point t0) {
 // MLPs, lm_head; the embedding row is negligible), and those of one routed expert.
 struct ReadCounts {
   double fixed = 0, per_expert = 0;
+  double attention = 0;  // the attention part of `fixed`
 };
 
 ReadCounts read_counts(const ModelConfig& c) {
@@ -37,6 +38,7 @@ ReadCounts read_counts(const ModelConfig& c) {
                       static_cast<double>(c.num_heads * c.head_dim) * h;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     r.fixed += attn;
+    r.attention += attn;
     if (c.moe_layers[static_cast<size_t>(l)]) {
       r.fixed += h * static_cast<double>(c.moe.num_experts) + 3 * h * static_cast<double>(c.moe.shared_intermediate);
     } else {
@@ -58,7 +60,10 @@ struct DecodeRun {
 };
 
 int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
-  MOE_CHECK(a.ep == 1, kUnsupported, "--device cuda runs on one GPU: --ep {} is CPU-only so far", a.ep);
+  MOE_CHECK(a.ep_backend == "local_allreduce", kUnsupported,
+            "--device cuda: the engine sums its GPUs' partial outputs with its own peer all-reduce (the "
+            "local_allreduce scheme); --ep-backend {} is for the CPU engine and moe-bench layer",
+            a.ep_backend);
   std::vector<int> batches = a.batches.empty() ? std::vector<int>{a.batch} : a.batches;
   for (int b : batches) MOE_CHECK(b >= 1, kInvalidArgument, "batch sizes must be >= 1, got {}", b);
   MOE_CHECK(a.prefill_len >= 0, kInvalidArgument, "--prefill-len must be >= 0");
@@ -67,6 +72,9 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   eo.random_weights = a.random_weights;
   eo.progress = true;
   eo.fuse = !a.no_fuse;
+  eo.tp = a.tp;
+  eo.ep = a.ep;
+  const int ranks = cuda::engine_ranks(a.tp, a.ep);
   eo.max_batch = *std::max_element(batches.begin(), batches.end());
   eo.max_context = std::max(a.input_len + a.output_len + 2, a.prefill_len);
   eo.max_step_tokens = std::min(std::max(a.input_len, a.prefill_len), 8192);
@@ -74,7 +82,10 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
             "input + output ({}) exceed the model's context of {}", eo.max_context, mc.max_position_embeddings);
   const auto devices = cuda_devices();
   MOE_CHECK(!devices.empty(), kUnsupported, "--device cuda: {}", cuda_status());
+  MOE_CHECK(static_cast<int>(devices.size()) >= ranks, kUnsupported, "--tp {} --ep {} needs {} GPUs; this machine has {}",
+            a.tp, a.ep, ranks, devices.size());
   const std::string device_name = devices.at(0).name;
+  const std::string where = ranks > 1 ? std::to_string(ranks) + " x " + device_name : device_name;
   // The ceilings of the floors, measured on this device before the model takes its memory.
   const double kCopyBytesPerS = measure_copy_bandwidth(eo.device);
   const double kBf16FlopsPerS = measure_bf16_matmul_rate(eo.device);
@@ -149,11 +160,21 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   // Floors. Decode: every fixed weight once per step, the distinct experts the batch's tokens
   // touch (expected count under uniform routing) and the KV cache, at the copy bandwidth.
   // Prefill: 2 FLOPs per active parameter per token plus causal attention, at the matmul rate.
-  const ReadCounts rc = read_counts(mc);
+  // On several GPUs the floor is GPU 0's share, which reads the most: 1/tp of the attention and
+  // of the KV cache, 1/ep of the touched experts, all the rest (router, dense and shared MLPs,
+  // lm_head) whole; prefill FLOPs split the same way.
+  ReadCounts rc = read_counts(mc);
+  {
+    const double attention_kept = rc.attention / a.tp;
+    rc.fixed -= rc.attention - attention_kept;
+    rc.attention = attention_kept;
+    rc.per_expert /= a.ep;
+  }
   const double e = static_cast<double>(std::max<int64_t>(mc.moe.num_experts, 1));
   const double k = static_cast<double>(mc.moe.top_k);
   const double moe_layers = static_cast<double>(mc.num_moe_layers());
-  const double kv_token_bytes = static_cast<double>(mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim) * 2;
+  const int64_t kv_heads = a.tp == 1 ? mc.num_kv_heads : std::max<int64_t>(1, mc.num_kv_heads / a.tp);
+  const double kv_token_bytes = static_cast<double>(mc.num_layers * 2 * kv_heads * mc.head_dim) * 2;
   auto decode_floor = [&](int batch, double* bytes) {
     const double touched = mc.moe.num_experts > 0 ? e * (1.0 - std::pow(1.0 - k / e, batch)) : 0.0;
     const double context = a.input_len + a.output_len / 2.0;
@@ -162,7 +183,7 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   };
   const double active = rc.fixed + k * rc.per_expert * moe_layers;
   auto prefill_flops = [&](int n) {
-    return 2.0 * active * n + 2.0 * static_cast<double>(mc.num_layers * mc.num_heads * mc.head_dim) *
+    return 2.0 * active * n + 2.0 * static_cast<double>(mc.num_layers * mc.num_heads / a.tp * mc.head_dim) *
                                   static_cast<double>(n) * static_cast<double>(n + 1);
   };
   // With a profile, the experts the step really touched (random weights do not route
@@ -183,6 +204,9 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   doc["fused"] = !a.no_fuse;
   doc["parameters"] = parameter_count(mc);
   doc["device"] = device_name;
+  doc["gpus"] = ranks;
+  doc["tp"] = a.tp;
+  doc["ep"] = a.ep;
   doc["copy_bytes_per_s"] = kCopyBytesPerS;
   doc["bf16_matmul_flops_per_s"] = kBf16FlopsPerS;
   doc["input_len"] = a.input_len;
@@ -228,7 +252,7 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   }
   std::printf("moe-bench model %s (%s%s), %.3f B parameters, bf16 on %s (measured: copy %.2f TB/s, "
               "bf16 matmul %.0f TFLOP/s)\n", dir.c_str(), mc.architecture.c_str(),
-              a.random_weights ? ", random weights" : "", parameter_count(mc) / 1e9, device_name.c_str(),
+              a.random_weights ? ", random weights" : "", parameter_count(mc) / 1e9, where.c_str(),
               kCopyBytesPerS / 1e12, kBf16FlopsPerS / 1e12);
   std::printf("load %.2f s; device memory: weights %.2f GB, KV cache %.2f GB (%lld blocks), "
               "workspace %.2f GB, graph outputs %.3f GB\n", load_s, mem.weights / 1e9,

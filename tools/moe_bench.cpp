@@ -32,7 +32,9 @@ int main(int argc, char** argv) {
   model->add_option("--input-len", ma.input_len, "prompt tokens per sequence")->capture_default_str();
   model->add_option("--output-len", ma.output_len, "generated tokens per sequence")->capture_default_str();
   model->add_option("--threads", ma.threads, "CPU threads in all (0: all)");
-  model->add_option("--ep", ma.ep, "expert-parallel ranks")->capture_default_str();
+  model->add_option("--ep", ma.ep, "expert-parallel ranks: threads on cpu, GPUs on cuda")->capture_default_str();
+  model->add_option("--tp", ma.tp, "cuda: tensor-parallel attention over the --ep GPUs (1 or the --ep value)")
+      ->capture_default_str();
   model->add_option("--ep-backend", ma.ep_backend, "EP backend")->capture_default_str();
   model->add_option("--exec", ma.exec, "naive | grouped")->capture_default_str();
   model->add_option("--device", ma.device, "cpu | cuda")->capture_default_str();

@@ -33,6 +33,7 @@ struct Common {
   bool random_weights = false;
   uint64_t weights_seed = 0;
   int ep = 1;
+  int tp = 1;
   std::string ep_backend = "local_allreduce";
   std::string exec = "grouped";
   bool expert_stats = false;
@@ -42,8 +43,14 @@ struct Common {
   bool on_cuda() const {
     MOE_CHECK(device == "cpu" || device == "cuda", kInvalidArgument,
               "--device {}: expected cpu or cuda", device);
-    if (device == "cpu") return false;
-    MOE_CHECK(ep == 1, kUnsupported, "--device cuda runs on one GPU: --ep {} is CPU-only so far", ep);
+    if (device == "cpu") {
+      MOE_CHECK(tp == 1, kUnsupported, "--tp {}: tensor-parallel attention runs on GPUs only (--device cuda)", tp);
+      return false;
+    }
+    MOE_CHECK(ep_backend == "local_allreduce", kUnsupported,
+              "--device cuda: the engine sums its GPUs' partial outputs with its own peer all-reduce "
+              "(the local_allreduce scheme); --ep-backend {} is for the CPU engine and moe-bench layer",
+              ep_backend);
     MOE_CHECK(!expert_stats, kUnsupported, "--expert-stats is CPU-only so far");
     return true;
   }
@@ -56,6 +63,8 @@ struct Common {
     eo.max_batch = max_batch;
     eo.max_context = context;
     eo.sampled_vocab = sampled_vocab;
+    eo.tp = tp;
+    eo.ep = ep;
     return cuda::Engine::load(model_dir, eo);
   }
 
@@ -115,14 +124,16 @@ struct Common {
 };
 
 void add_parallel_flags(CLI::App* cmd, Common& c) {
-  cmd->add_option("--ep", c.ep, "expert-parallel ranks (threads on the CPU)")
+  cmd->add_option("--ep", c.ep, "expert-parallel ranks: threads on the CPU, GPUs with --device cuda")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--tp", c.tp, "tensor-parallel attention over the --ep GPUs (1 or the --ep value; cuda only)")
       ->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--ep-backend", c.ep_backend,
                   "local_allreduce | allgather_reducescatter | alltoall_padded | alltoall_packed")
       ->capture_default_str();
   cmd->add_option("--exec", c.exec, "routed-expert execution: naive | grouped")->capture_default_str();
   cmd->add_flag("--expert-stats", c.expert_stats, "print tokens per expert per layer on stderr");
-  cmd->add_option("--device", c.device, "cpu | cuda (one GPU, bf16)")->capture_default_str();
+  cmd->add_option("--device", c.device, "cpu | cuda (bf16; --ep N --tp N: N GPUs)")->capture_default_str();
 }
 
 void add_weight_flags(CLI::App* cmd, Common& c) {

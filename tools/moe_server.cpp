@@ -464,7 +464,7 @@ struct Server {
 
 int main(int argc, char** argv) {
   return cli::guarded([&] {
-    CLI::App app{"moe-server: OpenAI-compatible HTTP server (CPU or one CUDA GPU)"};
+    CLI::App app{"moe-server: OpenAI-compatible HTTP server (CPU, or CUDA GPUs)"};
     std::string model_dir, tokenizer, host = "127.0.0.1", device = "cpu", name;
     int port = 8080, threads = 0, http_threads = 0;
     serve::SchedulerConfig cfg;
@@ -474,7 +474,11 @@ int main(int argc, char** argv) {
     app.add_option("--name", name, "model id clients use (default: the directory name)");
     app.add_option("--host", host, "address to listen on");
     app.add_option("--port", port, "port to listen on (0: any free port, printed)");
-    app.add_option("--device", device, "cpu | cuda (one GPU: the CUDA engine, decode steps from CUDA graphs)");
+    app.add_option("--device", device, "cpu | cuda (the CUDA engine, decode steps from CUDA graphs)");
+    int tp = 1, ep = 1;
+    app.add_option("--ep", ep, "cuda: GPUs holding 1/ep of the routed experts each")->capture_default_str();
+    app.add_option("--tp", tp, "cuda: tensor-parallel attention over the --ep GPUs (1 or the --ep value)")
+        ->capture_default_str();
     bool random_weights = false;
     app.add_flag("--random-weights", random_weights, "cuda: config.json only, weights drawn on the device");
     app.add_option("-t,--threads", threads, "CPU threads for the model (0: all)");
@@ -491,6 +495,12 @@ int main(int argc, char** argv) {
     }
     MOE_CHECK(device == "cpu" || device == "cuda", kInvalidArgument, "--device {}: valid devices are cpu and cuda", device);
     MOE_CHECK(!random_weights || device == "cuda", kInvalidArgument, "--random-weights needs --device cuda");
+    if (device == "cuda") {
+      cuda::engine_ranks(tp, ep);
+    } else {
+      MOE_CHECK(tp == 1 && ep == 1, kUnsupported,
+                "--tp {} --ep {}: the CPU server runs the model as one rank; parallel ranks need --device cuda", tp, ep);
+    }
     MOE_CHECK(port >= 0 && port <= 65535, kInvalidArgument, "--port {} is not a port number", port);
 
     // Block the shutdown signals before any thread starts, so that only the waiter below sees them.
@@ -514,6 +524,8 @@ int main(int argc, char** argv) {
       eo.random_weights = random_weights;
       eo.progress = true;
       eo.sampled_vocab = tok.vocab_size();
+      eo.tp = tp;
+      eo.ep = ep;
       gpu = cuda::Engine::load(model_dir, eo);
     } else {
       LoadOptions lo;

@@ -1,7 +1,8 @@
-// A whole decoder on one CUDA device: weights, KV cache and workspace allocated once at load,
-// every op on the device, sampling included. Prefill runs eagerly in chunks; decode steps replay
-// a CUDA graph captured per batch-size bucket (1, 2, 4, ... up to max_batch). Declared without
-// CUDA types, so CPU-only code can include it; a build without CUDA throws kUnsupported.
+// A whole decoder on one CUDA device, or on several of one machine (EngineOptions tp / ep):
+// weights, KV cache and workspace allocated once at load, every op on the device, sampling
+// included. Prefill runs eagerly in chunks; decode steps replay a CUDA graph captured per
+// batch-size bucket (1, 2, 4, ... up to max_batch), one per GPU. Declared without CUDA types, so
+// CPU-only code can include it; a build without CUDA throws kUnsupported.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "moe/errors.h"
 #include "moe/tensor.h"
 #include "runtime/sampler.h"
 
@@ -38,9 +40,26 @@ struct EngineOptions {
   // into the routed experts' combine). Same results up to f32 summation order; off runs every
   // operation as its own kernel, for comparisons.
   bool fuse = true;
+  // Several GPUs of this machine: devices device .. device + max(tp, ep) - 1, one host thread
+  // each, in lockstep. ep > 1: each GPU holds 1/ep of every layer's routed experts, runs them on
+  // every token and the partial outputs are summed across GPUs. tp (1 or ep): each GPU also
+  // holds 1/tp of the attention heads (key/value heads replicated when there are fewer than
+  // tp) and the output projection's partial sums are summed likewise. The sums are kernels
+  // writing into the peers' memory (peer access required), inside the decode graphs.
+  int tp = 1, ep = 1;
 };
 
-// Device bytes by what holds them.
+// The GPUs an engine with these parallel degrees runs on; throws for degrees it cannot combine.
+inline int engine_ranks(int tp, int ep) {
+  MOE_CHECK(tp >= 1 && ep >= 1, kInvalidArgument, "--tp {} and --ep {} must be at least 1", tp, ep);
+  MOE_CHECK(tp == 1 || tp == ep, kUnsupported,
+            "--tp {} --ep {}: tensor-parallel attention runs over the expert-parallel GPUs (--tp N --ep N) "
+            "or not at all (--tp 1)",
+            tp, ep);
+  return ep;
+}
+
+// Device bytes by what holds them, summed over the engine's GPUs.
 struct MemoryReport {
   size_t weights = 0;    // bf16 matrices and f32 norms/biases
   size_t kv_cache = 0;   // the block pools of every layer

@@ -78,7 +78,12 @@ expect gpu_only_ep_backend "p2p" -- "$cli" logits -m "$fixture" --ids 1 --ep 2 -
 expect ep_larger_than_experts "larger than the number of experts" -- "$cli" logits -m "$fixture" --ids 1 --ep 9
 expect bad_exec_mode "valid: naive, grouped" -- "$cli" logits -m "$fixture" --ids 1 --exec fastest
 expect bad_device "--device tpu: expected cpu or cuda" -- "$cli" logits -m "$fixture" --ids 1 --device tpu
-expect cuda_with_ep "--ep 2 is CPU-only" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2
+expect tp_on_cpu "--tp 2: tensor-parallel attention runs on GPUs only" -- "$cli" logits -m "$fixture" --ids 1 --tp 2
+expect cuda_tp_without_ep "runs over the expert-parallel GPUs|no CUDA backend" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --tp 2
+expect cuda_ep_backend "--ep-backend alltoall_packed is for the CPU engine" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2 --ep-backend alltoall_packed
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  expect cuda_ep_needs_gpus "needs 2 GPUs from device 0; this machine has 0|no CUDA backend" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2
+fi
 expect cuda_with_expert_stats "--expert-stats is CPU-only" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --expert-stats
 bench=${MOE_BENCH:-$(dirname "$cli")/moe-bench}
 expect bench_unknown_preset "unknown layer preset" -- "$bench" layer --preset gpt5
@@ -94,6 +99,8 @@ expect bench_model_preset_without_weights "add --random-weights" -- "$bench" mod
 expect bench_model_too_big "this machine has" -- "$bench" model --preset deepseek-v3 --random-weights
 expect bench_model_bad_device "expected cpu or cuda" -- "$bench" model --preset qwen3-moe-mid --random-weights --device tpu
 expect bench_model_bad_batches "batch sizes must be >= 1" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --batches 1,0
+expect bench_model_tp_on_cpu "runs on GPUs only" -- "$bench" model --preset qwen3-moe-mid --random-weights --tp 2
+expect bench_model_cuda_tp_without_ep "runs over the expert-parallel GPUs" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --tp 2
 expect bench_model_bad_prefill_len "--prefill-len must be >= 0" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --prefill-len -1
 
 echo "$passed passed, $failures failed"

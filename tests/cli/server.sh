@@ -41,6 +41,8 @@ bad_flags() {
 }
 bad_flags "--device tpu" 'valid devices are cpu and cuda' -m "$model" --device tpu
 bad_flags "--random-weights on the CPU" 'needs --device cuda' -m "$model" --random-weights
+bad_flags "--ep on the CPU" 'parallel ranks need --device cuda' -m "$model" --ep 2
+bad_flags "--tp without --ep" 'runs over the expert-parallel GPUs' -m "$model" --device cuda --tp 2
 if ! nvidia-smi -L >/dev/null 2>&1; then  # without a GPU (or CUDA build) --device cuda says why
   bad_flags "--device cuda without a GPU" 'CUDA' -m "$model" --device cuda
 fi

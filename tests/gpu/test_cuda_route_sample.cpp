@@ -99,9 +99,23 @@ void run_route_case(const RouteCase& c, uint32_t seed) {
   p.bias = c.bias ? db.get() : nullptr;
   p.renormalize = c.renorm;
   p.scaling = c.scaling;
+  // Expert parallelism: the ids also as indices among the middle third of the experts (a rank
+  // holding [first, first + count)), -1 outside.
+  DeviceBuffer<int32_t> dlocal(want_ids.size());
+  dlocal.poison();
+  p.local_ids = dlocal.get();
+  p.local_first = c.experts / 3;
+  p.local_count = std::max(1, c.experts / 3);
   ASSERT_EQ(k::route(dl.get(), p, tokens, di.get(), dw.get(), nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto ids = di.download();
+  const auto local = dlocal.download();
+  int bad_local = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int e = want_ids[i] - p.local_first;
+    bad_local += local[i] != (e >= 0 && e < p.local_count ? e : -1);
+  }
+  EXPECT_EQ(bad_local, 0) << rc.describe() << ": local indices";
   const auto w = dw.download();
   int bad_ids = 0, bad_w = 0;
   for (size_t i = 0; i < ids.size(); ++i) {

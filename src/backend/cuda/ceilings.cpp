@@ -4,6 +4,7 @@
 
 #include "backend/cuda/blas.h"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/peer_access.h"
 #include "backend/device_info.h"
 
 namespace moe {
@@ -45,10 +46,10 @@ double measure_copy_bandwidth(int device) {
 }
 
 double measure_peer_bandwidth(int from, int to) {
-  for (auto [a, b] : {std::pair{from, to}, std::pair{to, from}}) {
-    MOE_CUDA_CHECK(cudaSetDevice(a));
-    if (cudaDeviceEnablePeerAccess(b, 0) != cudaSuccess) cudaGetLastError();  // already on, or none
-  }
+  int can_to = 0, can_from = 0;
+  MOE_CUDA_CHECK(cudaDeviceCanAccessPeer(&can_to, from, to));
+  MOE_CUDA_CHECK(cudaDeviceCanAccessPeer(&can_from, to, from));
+  if (can_to && can_from) cuda::enable_peer_access({from, to});  // else the copy goes through the host
   const size_t bytes = size_t(256) << 20;
   void *src = nullptr, *dst = nullptr;
   MOE_CUDA_CHECK(cudaSetDevice(to));

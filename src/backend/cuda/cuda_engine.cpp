@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 
 #include "backend/cuda/attention_launch.h"
 #include "backend/cuda/blas.h"
@@ -10,7 +11,9 @@
 #include "backend/cuda/device_model.h"
 #include "backend/cuda/latent_attention_launch.h"
 #include "backend/cuda/ops_launch.h"
+#include "backend/cuda/peer_allreduce.h"
 #include "backend/cuda/router_params.h"
+#include "core/rank_threads.h"
 #include "moe/errors.h"
 
 namespace moe::cuda {
@@ -55,6 +58,7 @@ struct Workspace {
   uint16_t *branch, *branch2;  // [T, H]: attention / MLP / routed experts; shared expert
   float* router_logits;  // [T, E]
   int32_t* topk_ids;
+  int32_t* local_ids;    // topk_ids as this rank's expert indices (-1: another rank's), ep > 1
   float* topk_weights;
   uint16_t *ffn_gate_up, *ffn_act;
   float* shared_gate;    // [T]
@@ -99,6 +103,7 @@ Workspace carve_workspace(A& a, const ModelConfig& c, const Shapes& s) {
   w.branch2 = a.template take_n<uint16_t>(t * hidden);
   w.router_logits = a.template take_n<float>(t * experts);
   w.topk_ids = a.template take_n<int32_t>(t * k);
+  w.local_ids = a.template take_n<int32_t>(t * k);
   w.topk_weights = a.template take_n<float>(t * k);
   w.ffn_gate_up = a.template take_n<uint16_t>(t * 2 * inter);
   w.ffn_act = a.template take_n<uint16_t>(t * inter);
@@ -153,14 +158,138 @@ struct Engine::State {
   int64_t last_tokens = 0;
   std::vector<cudaEvent_t> marks;
   std::vector<const char*> mark_names;
+  // Several GPUs: this state is rank `rank` of `ranks`; its partial sums go through `allreduce`.
+  int rank = 0, ranks = 1;
+  bool tp = false;
+  const PeerAllReduce* allreduce = nullptr;
+  bool post_normed = false;  // this layer's post-attention norm was folded into the all-reduce
+  // Rank 0 only: the all-reduce, the other ranks' states and their host threads (destroyed in
+  // reverse order: threads first).
+  std::unique_ptr<PeerAllReduce> allreduce_owner;
+  std::vector<std::unique_ptr<State>> others;
+  std::unique_ptr<RankThreads> threads;
 
   ~State() {
+    // The other ranks first (each on its own device), then this rank's resources with its
+    // device current.
+    threads.reset();
+    others.clear();
+    allreduce_owner.reset();
+    cudaSetDevice(opts.device);
     for (cudaEvent_t e : marks) cudaEventDestroy(e);
     if (routed_log) cudaFree(routed_log);
     for (DecodeGraph& g : graphs)
       if (g.exec) cudaGraphExecDestroy(g.exec);
     if (meta_host) cudaFreeHost(meta_host);
     if (stream) cudaStreamDestroy(stream);
+  }
+
+  // This rank's weights, stream, libraries, workspace and step buffers (the KV cache comes
+  // after every rank has loaded: allocate_kv).
+  void setup(const std::string& dir) {
+    const ModelConfig& mc = config;
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    DeviceLoad dl{opts.device, opts.random_weights, opts.seed, opts.strict, opts.progress, max_tokens};
+    dl.rank = rank;
+    dl.ranks = ranks;
+    dl.tp = tp;
+    model = load_device_model(dir, mc, dl);
+    blas = std::make_unique<Blas>();
+
+    Shapes shapes{max_tokens, logit_rows, 0, 0};
+    for (const DeviceLayer& L : model->layers)
+      if (L.experts)
+        shapes.experts_ws = std::max<int64_t>(
+            shapes.experts_ws, static_cast<int64_t>(Experts::workspace_bytes(L.experts->shape(), max_tokens)));
+    shapes.attention_ws = static_cast<int64_t>(
+        mc.attention == AttentionKind::kMla
+            ? kernels::latent_attention_workspace_bytes(static_cast<int>(max_tokens), static_cast<int>(mc.num_heads),
+                                                        static_cast<int>(mc.mla.kv_lora_rank), static_cast<int>(opts.max_context))
+            : kernels::paged_attention_workspace_bytes(static_cast<int>(max_tokens), static_cast<int>(mc.num_heads),
+                                                       static_cast<int>(mc.head_dim), static_cast<int>(opts.max_context)));
+    ArenaSizer sizer;
+    carve_workspace(sizer, mc, shapes);
+    workspace_arena = DeviceArena("workspace", sizer.bytes());
+    ws = carve_workspace(workspace_arena, mc, shapes);
+    MOE_CUDA_CHECK(cudaMemset(ws.counter, 0, sizeof(unsigned)));
+
+    ArenaSizer meta_sizer;
+    carve_meta(meta_sizer, max_tokens, opts.max_batch, max_blocks);
+    meta_arena = DeviceArena("step metadata", meta_sizer.bytes());
+    meta = carve_meta(meta_arena, max_tokens, opts.max_batch, max_blocks);
+    MOE_CUDA_CHECK(cudaMallocHost(&meta_host, meta_arena.capacity()));
+
+    for (int b = 1; b < opts.max_batch; b *= 2) buckets.push_back(b);
+    buckets.push_back(opts.max_batch);
+    size_t graph_bytes = 256;
+    for (int b : buckets) graph_bytes += static_cast<size_t>(b) * (static_cast<size_t>(mc.vocab_size) * 4 + 4) + 512;
+    graph_arena = DeviceArena("decode graph outputs", graph_bytes);
+  }
+
+  // KV bytes per block over all layers on this rank: a key pool and a value pool per layer
+  // (GQA: this rank's key/value heads) or one latent pool (MLA).
+  size_t kv_block_bytes(size_t* k_block, size_t* v_block) const {
+    const ModelConfig& mc = config;
+    const bool mla = mc.attention == AttentionKind::kMla;
+    const int64_t kw = mla ? mc.kv_key_width() : model->kv_heads * mc.head_dim;
+    const int64_t vw = mla ? mc.kv_value_width() : model->kv_heads * mc.head_dim;
+    *k_block = static_cast<size_t>(opts.block_size * kw) * 2;
+    *v_block = static_cast<size_t>(opts.block_size * vw) * 2;
+    return (*k_block + *v_block) * static_cast<size_t>(mc.num_layers);
+  }
+
+  // What was asked for, or room for max_batch full contexts within 90% of what is free.
+  int64_t kv_blocks_that_fit() const {
+    size_t k_block = 0, v_block = 0, free = 0, total = 0;
+    const size_t per_block = kv_block_bytes(&k_block, &v_block);
+    MOE_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return static_cast<int64_t>(0.9 * static_cast<double>(free) / static_cast<double>(per_block));
+  }
+
+  void allocate_kv(int64_t blocks) {
+    size_t k_block = 0, v_block = 0;
+    const size_t per_block = kv_block_bytes(&k_block, &v_block);
+    kv_blocks = blocks;
+    kv_arena = DeviceArena("KV cache", static_cast<size_t>(blocks) * per_block + 512 * static_cast<size_t>(config.num_layers));
+    for (int64_t l = 0; l < config.num_layers; ++l) {
+      k_cache.push_back(kv_arena.take_n<uint16_t>(static_cast<size_t>(blocks) * k_block / 2));
+      v_cache.push_back(v_block ? kv_arena.take_n<uint16_t>(static_cast<size_t>(blocks) * v_block / 2) : nullptr);
+    }
+    MOE_CUDA_CHECK(cudaMemset(kv_arena.base(), 0, kv_arena.capacity()));
+  }
+
+  // job(rank's state) on every rank at once, each on its own thread with its device current.
+  void each_rank(const std::function<void(State&)>& job) {
+    auto one = [&](int r) {
+      State& x = r == 0 ? *this : *others[static_cast<size_t>(r - 1)];
+      MOE_CUDA_CHECK(cudaSetDevice(x.opts.device));
+      job(x);
+    };
+    if (threads) threads->run(one);
+    else one(0);
+  }
+
+  // Sums a partial [tokens, H] bf16 result over the ranks in place; with `then`, folds the
+  // residual add and norm that follow into the same kernel instead (ranks > 1 only).
+  void all_reduce(uint16_t* rows, int64_t tokens, const PeerAllReduce::AddNorm* then = nullptr) {
+    allreduce->run(rank, rows, tokens, config.hidden_size, stream, then);
+    mark(then ? "all-reduce + residual add + RMSNorm" : "all-reduce");
+  }
+
+  // Whether route() takes the post-attention norm into its one fused launch. It beats the three
+  // separate kernels at 1-2 rows and loses from 4 on (H100, qwen3-30b-a3b decode step: -7% at
+  // batch 1, -10% at 2, +1% at 4, +4% at 8): its one warp per expert (16 blocks for 128
+  // experts) leaves most of the device idle as rows grow.
+  bool fused_router(int64_t tokens) const {
+    constexpr int kFusedRouterMaxRows = 2;
+    return opts.fuse && tokens <= kFusedRouterMaxRows &&
+           kernels::norm_route_supported(static_cast<int>(tokens), static_cast<int>(config.hidden_size));
+  }
+
+  // After a step on this rank's stream: the step's all-reduce waits all completed.
+  void finish_step() {
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (allreduce) allreduce->check(rank);
   }
 
   void mark(const char* name) {
@@ -322,7 +451,7 @@ struct Engine::State {
     const ModelConfig& c = config;
     if (c.attention == AttentionKind::kMla) return latent_attention(l, tokens, seqs, max_context);
     const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
-    const int64_t hd = c.head_dim, qw = c.num_heads * hd, kw = c.num_kv_heads * hd;
+    const int64_t hd = c.head_dim, qw = model->q_heads * hd, kw = model->kv_heads * hd;
     const int64_t qkvw = qw + 2 * kw;
     if (L.qkv_fused) {
       blas->linear(ws.h, L.q, ws.qkv, OutType::kF32, tokens, qkvw, c.hidden_size, stream);
@@ -334,8 +463,8 @@ struct Engine::State {
     mark("qkv projection");
     kernels::QkvParams p;
     p.tokens = static_cast<int>(tokens);
-    p.q_heads = static_cast<int>(c.num_heads);
-    p.kv_heads = static_cast<int>(c.num_kv_heads);
+    p.q_heads = static_cast<int>(model->q_heads);
+    p.kv_heads = static_cast<int>(model->kv_heads);
     p.head_dim = static_cast<int>(hd);
     p.bias = L.qkv_bias;
     p.qk_norm = c.qk_norm == QkNorm::kNone ? 0 : c.qk_norm == QkNorm::kPerHead ? 1 : 2;
@@ -375,6 +504,16 @@ struct Engine::State {
     mark("attention");
     blas->linear(ws.attn, L.o, ws.branch, OutType::kBf16, tokens, c.hidden_size, qw, stream);
     mark("o projection");
+    if (!tp) return;
+    // Each rank holds its heads' share of the projection: sum the shares, and where the router
+    // does not fold the post-attention norm itself, fold it into the sum.
+    if (opts.fuse && !(L.sparse && fused_router(tokens))) {
+      const PeerAllReduce::AddNorm norm{ws.x, nullptr, L.post_norm, c.rms_norm_eps, ws.h};
+      all_reduce(ws.branch, tokens, &norm);
+      post_normed = true;
+    } else {
+      all_reduce(ws.branch, tokens);
+    }
   }
 
   // The router's input: the post-attention residual add and norm, then its projection and the
@@ -384,12 +523,13 @@ struct Engine::State {
     const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
     const RouterConfig& rc = c.moe.router;
     const int t = static_cast<int>(tokens), hidden = static_cast<int>(c.hidden_size);
-    const kernels::RouterParams rp = kernels::router_params(rc, L.router_bias);
-    // The fused kernel beats the three separate ones at 1-2 rows and loses from 4 on (H100,
-    // qwen3-30b-a3b decode step: -7% at batch 1, -10% at 2, +1% at 4, +4% at 8): its one warp
-    // per expert (16 blocks for 128 experts) leaves most of the device idle as rows grow.
-    constexpr int kFusedRouterMaxRows = 2;
-    if (opts.fuse && t <= kFusedRouterMaxRows && kernels::norm_route_supported(t, hidden)) {
+    kernels::RouterParams rp = kernels::router_params(rc, L.router_bias);
+    if (ranks > 1) {  // the experts take this rank's indices
+      rp.local_ids = ws.local_ids;
+      rp.local_first = static_cast<int>(model->first_expert);
+      rp.local_count = static_cast<int>(model->local_experts);
+    }
+    if (!post_normed && fused_router(tokens)) {
       kernels::NormRouteParams q;
       q.x = ws.x;
       q.branch = ws.branch;
@@ -404,9 +544,11 @@ struct Engine::State {
       mark("residual add + RMSNorm + route");
       return;
     }
-    MOE_CUDA_CHECK(kernels::add_rms_norm(ws.x, ws.branch, nullptr, L.post_norm, t, hidden,
-                                         c.rms_norm_eps, ws.h, stream));
-    mark("residual add + RMSNorm");
+    if (!post_normed) {
+      MOE_CUDA_CHECK(kernels::add_rms_norm(ws.x, ws.branch, nullptr, L.post_norm, t, hidden,
+                                           c.rms_norm_eps, ws.h, stream));
+      mark("residual add + RMSNorm");
+    }
     blas->linear(ws.h, L.router, ws.router_logits, OutType::kF32, tokens, rc.num_experts, hidden, stream);
     mark("router projection");
     MOE_CUDA_CHECK(kernels::route(ws.router_logits, rp, t, ws.topk_ids, ws.topk_weights, stream));
@@ -435,7 +577,23 @@ struct Engine::State {
     if ((profiling || opts.record_routing) && routed_log)
       MOE_CUDA_CHECK(cudaMemcpyAsync(routed_log + l * max_tokens * rc.top_k, ws.topk_ids,
                                      static_cast<size_t>(tokens * rc.top_k) * 4, cudaMemcpyDeviceToDevice, stream));
-    if (opts.fuse && !L.shared_gate_up && l + 1 < c.num_layers) {
+    if (ranks > 1) {
+      // This rank's experts on every token (route() wrote their local indices), the others'
+      // slots skipped; the shared expert (whole on every rank) before the sum, so that the next
+      // layer's input norm folds into it.
+      L.experts->forward(ws.h, ws.local_ids, ws.topk_weights, tokens, ws.branch, ws.experts, stream);
+      mark("routed experts");
+      const bool shared = L.shared_gate_up && shared_expert(l, tokens);
+      if (opts.fuse && l + 1 < c.num_layers) {
+        const PeerAllReduce::AddNorm norm{ws.x, shared ? ws.branch2 : nullptr,
+                                          model->layers[static_cast<size_t>(l + 1)].input_norm, c.rms_norm_eps, ws.h};
+        all_reduce(ws.branch, tokens, &norm);
+        *next_normed = true;
+        return false;
+      }
+      all_reduce(ws.branch, tokens);
+      return shared;
+    } else if (opts.fuse && !L.shared_gate_up && l + 1 < c.num_layers) {
       // ws.h is both the experts' input and the folded norm's output: the combine writes it only
       // after the expert GEMMs, which read it, have completed (stream order).
       Experts::NextNorm next{ws.x, model->layers[static_cast<size_t>(l + 1)].input_norm, c.rms_norm_eps, ws.h};
@@ -443,10 +601,19 @@ struct Engine::State {
       *next_normed = true;
       mark("routed experts + residual add + RMSNorm");
       return false;
+    } else {
+      L.experts->forward(ws.h, ws.topk_ids, ws.topk_weights, tokens, ws.branch, ws.experts, stream);
+      mark("routed experts");
     }
-    L.experts->forward(ws.h, ws.topk_ids, ws.topk_weights, tokens, ws.branch, ws.experts, stream);
-    mark("routed experts");
-    if (!L.shared_gate_up) return false;
+    return L.shared_gate_up && shared_expert(l, tokens);
+  }
+
+  // The layer's shared expert into ws.branch2 (gated where the model gates it); returns true.
+  bool shared_expert(int64_t l, int64_t tokens) {
+    const ModelConfig& c = config;
+    const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
+    const int64_t hidden = c.hidden_size;
+    const int t = static_cast<int>(tokens);
     const int64_t inter = c.moe.shared_intermediate;
     blas->linear(ws.h, L.shared_gate_up, ws.ffn_gate_up, OutType::kBf16, tokens, 2 * inter, hidden, stream);
     MOE_CUDA_CHECK(kernels::silu_mul(ws.ffn_gate_up, t, static_cast<int>(inter), ws.ffn_act, stream));
@@ -476,16 +643,15 @@ struct Engine::State {
                                              hidden, c.rms_norm_eps, ws.h, stream));
         mark("residual add + RMSNorm");
       }
+      post_normed = false;
       attention(l, tokens, seqs, max_context);
       normed = false;
-      if (L.sparse) {
-        has_branch2 = feed_forward(l, tokens, &normed);
-      } else {
+      if (!L.sparse && !post_normed) {
         MOE_CUDA_CHECK(kernels::add_rms_norm(ws.x, ws.branch, nullptr, L.post_norm, t, hidden,
                                              c.rms_norm_eps, ws.h, stream));
         mark("residual add + RMSNorm");
-        has_branch2 = feed_forward(l, tokens, &normed);
       }
+      has_branch2 = feed_forward(l, tokens, &normed);
       has_branch = !normed;
     }
     MOE_CUDA_CHECK(kernels::add_rms_norm(ws.x, ws.branch, has_branch2 ? ws.branch2 : nullptr,
@@ -524,13 +690,13 @@ struct Engine::State {
     fill_padding(0, bucket);
     upload_meta();
     run_layers(bucket, bucket, opts.max_context);
-    head(0, bucket, g.logits, g.sampled);
-    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (rank == 0) head(0, bucket, g.logits, g.sampled);
+    finish_step();
     cudaGraph_t graph = nullptr;
     MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     try {
       run_layers(bucket, bucket, opts.max_context);
-      head(0, bucket, g.logits, g.sampled);
+      if (rank == 0) head(0, bucket, g.logits, g.sampled);
     } catch (...) {
       cudaStreamEndCapture(stream, &graph);
       if (graph) cudaGraphDestroy(graph);
@@ -542,6 +708,34 @@ struct Engine::State {
     MOE_CUDA_CHECK(err);
     graphs.push_back(g);
     return graphs.back();
+  }
+
+  // The step as a graph with an event between operations (rank 0's), replayed twice (the first
+  // warms up), so the times are those of graph replay, without eager launch gaps.
+  void profiled_step(int bucket, float* logits, int32_t* sampled) {
+    mark_names.clear();
+    if (rank == 0) allocate_routing_log();
+    cudaGraph_t graph = nullptr;
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    profiling = rank == 0;
+    try {
+      run_layers(bucket, bucket, opts.max_context);
+      if (rank == 0) head(0, bucket, logits, sampled);
+    } catch (...) {
+      profiling = false;
+      cudaStreamEndCapture(stream, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    profiling = false;
+    MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    MOE_CUDA_CHECK(err);
+    for (int replay = 0; replay < 2; ++replay) MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    cudaGraphExecDestroy(exec);
   }
 
   // Rows [from, to) of a decode step: one token each that writes no KV (slot -1) and attends to
@@ -579,72 +773,50 @@ std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions
             "max context {} exceeds the model's max_position_embeddings {}", o.max_context,
             mc.max_position_embeddings);
   MOE_CHECK(o.max_step_tokens >= 1, kInvalidArgument, "max step tokens must be >= 1");
+  const int ranks = engine_ranks(o.tp, o.ep);
+  check_parallel_supported(mc, ranks, o.tp > 1);
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || o.device < 0 || o.device >= count) {
+  if (cudaGetDeviceCount(&count) != cudaSuccess || o.device < 0 || o.device + ranks > count) {
     cudaGetLastError();
-    MOE_THROW(kUnsupported, "--device cuda: no CUDA device {} (this machine has {})", o.device, count);
+    MOE_CHECK(ranks > 1, kUnsupported, "--device cuda: no CUDA device {} (this machine has {})", o.device, count);
+    MOE_THROW(kUnsupported, "--tp {} --ep {} needs {} GPUs from device {}; this machine has {}", o.tp, o.ep,
+              ranks, o.device, count);
   }
   std::unique_ptr<Engine> engine(new Engine());
   State& s = *engine->s_;
-  s.config = mc;
-  s.opts = o;
-  s.max_tokens = std::max<int64_t>(o.max_step_tokens, o.max_batch);
-  s.max_blocks = (o.max_context + o.block_size - 1) / o.block_size;
-  s.logit_rows = std::max<int64_t>(o.max_batch, 64);
-  MOE_CUDA_CHECK(cudaSetDevice(o.device));
-  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
-
-  DeviceLoad dl{o.device, o.random_weights, o.seed, o.strict, o.progress, s.max_tokens};
-  s.model = load_device_model(dir, mc, dl);
-  s.blas = std::make_unique<Blas>();
-
-  Shapes shapes{s.max_tokens, s.logit_rows, 0, 0};
-  for (const DeviceLayer& L : s.model->layers)
-    if (L.experts) shapes.experts_ws = std::max<int64_t>(shapes.experts_ws, static_cast<int64_t>(Experts::workspace_bytes(L.experts->shape(), s.max_tokens)));
-  shapes.attention_ws = static_cast<int64_t>(
-      mc.attention == AttentionKind::kMla
-          ? kernels::latent_attention_workspace_bytes(static_cast<int>(s.max_tokens), static_cast<int>(mc.num_heads),
-                                                      static_cast<int>(mc.mla.kv_lora_rank), static_cast<int>(o.max_context))
-          : kernels::paged_attention_workspace_bytes(static_cast<int>(s.max_tokens), static_cast<int>(mc.num_heads),
-                                                     static_cast<int>(mc.head_dim), static_cast<int>(o.max_context)));
-  ArenaSizer sizer;
-  carve_workspace(sizer, mc, shapes);
-  s.workspace_arena = DeviceArena("workspace", sizer.bytes());
-  s.ws = carve_workspace(s.workspace_arena, mc, shapes);
-  MOE_CUDA_CHECK(cudaMemset(s.ws.counter, 0, sizeof(unsigned)));
-
-  ArenaSizer meta_sizer;
-  carve_meta(meta_sizer, s.max_tokens, o.max_batch, s.max_blocks);
-  s.meta_arena = DeviceArena("step metadata", meta_sizer.bytes());
-  s.meta = carve_meta(s.meta_arena, s.max_tokens, o.max_batch, s.max_blocks);
-  MOE_CUDA_CHECK(cudaMallocHost(&s.meta_host, s.meta_arena.capacity()));
-
-  for (int b = 1; b < o.max_batch; b *= 2) s.buckets.push_back(b);
-  s.buckets.push_back(o.max_batch);
-  size_t graph_bytes = 256;
-  for (int b : s.buckets) graph_bytes += static_cast<size_t>(b) * (static_cast<size_t>(mc.vocab_size) * 4 + 4) + 512;
-  s.graph_arena = DeviceArena("decode graph outputs", graph_bytes);
-
-  // KV cache: what was asked for, or room for max_batch full contexts within 90% of what is free.
-  // Per layer a key pool and a value pool (GQA) or one latent pool (MLA: kv_value_width() = 0).
-  const size_t k_block = static_cast<size_t>(o.block_size * mc.kv_key_width()) * 2;
-  const size_t v_block = static_cast<size_t>(o.block_size * mc.kv_value_width()) * 2;
-  const size_t per_block = (k_block + v_block) * static_cast<size_t>(mc.num_layers);
+  const int64_t max_tokens = std::max<int64_t>(o.max_step_tokens, o.max_batch);
+  if (ranks > 1) {
+    std::vector<int> devices;
+    for (int r = 0; r < ranks; ++r) devices.push_back(o.device + r);
+    s.allreduce_owner = std::make_unique<PeerAllReduce>(devices, max_tokens * mc.hidden_size);
+    for (int r = 1; r < ranks; ++r) s.others.push_back(std::make_unique<State>());
+    s.threads = std::make_unique<RankThreads>(ranks);
+  }
+  for (int r = 0; r < ranks; ++r) {
+    State& x = r == 0 ? s : *s.others[static_cast<size_t>(r - 1)];
+    x.config = mc;
+    x.opts = o;
+    x.opts.device = o.device + r;
+    x.opts.progress = o.progress && r == 0;
+    x.rank = r;
+    x.ranks = ranks;
+    x.tp = o.tp > 1;
+    x.allreduce = s.allreduce_owner.get();
+    x.max_tokens = max_tokens;
+    x.max_blocks = (o.max_context + o.block_size - 1) / o.block_size;
+    x.logit_rows = std::max<int64_t>(o.max_batch, 64);
+  }
+  // Every rank loads its share at once; then the KV cache takes the same number of blocks on
+  // each (block ids are shared), as many as the fullest GPU allows.
+  std::vector<int64_t> fits(static_cast<size_t>(ranks));
+  s.each_rank([&](State& x) {
+    x.setup(dir);
+    fits[static_cast<size_t>(x.rank)] = x.kv_blocks_that_fit();
+  });
   int64_t blocks = o.kv_blocks;
-  if (blocks <= 0) {
-    size_t free = 0, total = 0;
-    MOE_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-    const int64_t fit = static_cast<int64_t>(0.9 * static_cast<double>(free) / static_cast<double>(per_block));
-    blocks = std::min<int64_t>(o.max_batch * s.max_blocks + 1, fit);
-  }
+  if (blocks <= 0) blocks = std::min<int64_t>(o.max_batch * s.max_blocks + 1, *std::min_element(fits.begin(), fits.end()));
   MOE_CHECK(blocks >= 2, kInvalidArgument, "GPU memory: no room for the KV cache ({} blocks)", blocks);
-  s.kv_blocks = blocks;
-  s.kv_arena = DeviceArena("KV cache", static_cast<size_t>(blocks) * per_block + 512 * static_cast<size_t>(mc.num_layers));
-  for (int64_t l = 0; l < mc.num_layers; ++l) {
-    s.k_cache.push_back(s.kv_arena.take_n<uint16_t>(static_cast<size_t>(blocks) * k_block / 2));
-    s.v_cache.push_back(v_block ? s.kv_arena.take_n<uint16_t>(static_cast<size_t>(blocks) * v_block / 2) : nullptr);
-  }
-  MOE_CUDA_CHECK(cudaMemset(s.kv_arena.base(), 0, s.kv_arena.capacity()));
+  s.each_rank([&](State& x) { x.allocate_kv(blocks); });
   if (o.record_routing) s.allocate_routing_log();
   for (int64_t b = blocks - 1; b >= 1; --b) s.free_blocks.push_back(static_cast<int32_t>(b));
   return engine;
@@ -687,6 +859,7 @@ int32_t Engine::prefill(int32_t seq, std::span<const int32_t> ids, const Samplin
                         Tensor* logits, bool all_logits, OpProfile* profile) {
   State& s = *s_;
   const ModelConfig& c = s.config;
+  MOE_CUDA_CHECK(cudaSetDevice(s.opts.device));  // the caller's thread may not be the loader's
   validate_sampling(params);
   MOE_CHECK(seq >= 0 && static_cast<size_t>(seq) < s.seqs.size() && s.seqs[static_cast<size_t>(seq)].open,
             kInvalidArgument, "sequence {} is not open", seq);
@@ -721,19 +894,26 @@ int32_t Engine::prefill(int32_t seq, std::span<const int32_t> ids, const Samplin
     s.host(s.meta.context_lens)[0] = static_cast<int32_t>(start + c1);
     s.write_table(0, &q);
     s.write_sampling(0, params, &q);
-    s.upload_meta();
-    s.last_tokens = rows;
-    s.run_layers(rows, 1, start + c1);
-    if (logits && all_logits)
-      for (int64_t r0 = 0; r0 < rows; r0 += s.logit_rows) {
-        const int64_t r = std::min(s.logit_rows, rows - r0);
-        s.head(r0, r, s.ws.logits, nullptr);
-        MOE_CUDA_CHECK(cudaMemcpyAsync(logits->data<float>() + (c0 + r0) * c.vocab_size, s.ws.logits,
-                                       static_cast<size_t>(r * c.vocab_size) * 4, cudaMemcpyDeviceToHost, s.stream));
+    const size_t meta_bytes = s.meta_arena.used();
+    s.each_rank([&](State& x) {
+      if (x.rank > 0) std::memcpy(x.meta_host, s.meta_host, meta_bytes);
+      x.upload_meta();
+      x.last_tokens = rows;
+      x.run_layers(rows, 1, start + c1);
+      if (x.rank == 0) {  // every rank holds the same final rows; rank 0 alone reads them out
+        if (logits && all_logits)
+          for (int64_t r0 = 0; r0 < rows; r0 += x.logit_rows) {
+            const int64_t r = std::min(x.logit_rows, rows - r0);
+            x.head(r0, r, x.ws.logits, nullptr);
+            MOE_CUDA_CHECK(cudaMemcpyAsync(logits->data<float>() + (c0 + r0) * c.vocab_size, x.ws.logits,
+                                           static_cast<size_t>(r * c.vocab_size) * 4, cudaMemcpyDeviceToHost,
+                                           x.stream));
+          }
+        if (c1 == n) x.head(rows - 1, 1, x.ws.logits, x.ws.sampled);
       }
-    if (c1 == n) s.head(rows - 1, 1, s.ws.logits, s.ws.sampled);
-    // The next chunk's metadata overwrites the pinned buffer: wait for this chunk's copy.
-    MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+      // The next chunk's metadata overwrites the pinned buffer: wait for this chunk's copy.
+      x.finish_step();
+    });
   }
   s.profiling = false;
   if (profile) s.collect(profile);
@@ -751,6 +931,7 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
                                     std::span<const SamplingParams> params, OpProfile* profile) {
   State& s = *s_;
   const ModelConfig& c = s.config;
+  MOE_CUDA_CHECK(cudaSetDevice(s.opts.device));
   const int64_t b = static_cast<int64_t>(seqs.size());
   MOE_CHECK(b >= 1 && b <= s.opts.max_batch, kInvalidArgument,
             "a decode step takes 1 to {} sequences, got {}", s.opts.max_batch, b);
@@ -785,7 +966,8 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
   }
   // The bucket's graph first: capturing it (on first use) runs on padding metadata, so the real
   // rows are written after it, once.
-  DecodeGraph* graph = s.opts.graphs && !profile ? &s.graph_for(bucket) : nullptr;
+  const bool use_graph = s.opts.graphs && !profile;
+  if (use_graph) s.each_rank([&](State& x) { x.graph_for(bucket); });
   for (int64_t i = 0; i < b; ++i) {
     const Sequence& q = s.seqs[static_cast<size_t>(seqs[static_cast<size_t>(i)])];
     const int r = static_cast<int>(i);
@@ -797,52 +979,30 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
     s.write_table(r, &q);
     s.write_sampling(r, params[static_cast<size_t>(i)], &q);
   }
-  float* logits = s.ws.logits;
-  int32_t* sampled = s.ws.sampled;
-  s.last_tokens = b;
-  if (graph) {
-    s.fill_padding(static_cast<int>(b), bucket);
-    s.upload_meta();
-    MOE_CUDA_CHECK(cudaGraphLaunch(graph->exec, s.stream));
-    logits = graph->logits;
-    sampled = graph->sampled;
-  } else if (profile) {
-    // The step as a graph with an event between operations, replayed twice (the first warms
-    // up), so the times are those of graph replay, without eager launch gaps.
-    s.fill_padding(static_cast<int>(b), bucket);
-    s.upload_meta();
-    s.mark_names.clear();
-    s.allocate_routing_log();
-    cudaGraph_t graph = nullptr;
-    MOE_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
-    s.profiling = true;
-    try {
-      s.run_layers(bucket, bucket, s.opts.max_context);
-      s.head(0, bucket, logits, sampled);
-    } catch (...) {
-      s.profiling = false;
-      cudaStreamEndCapture(s.stream, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      throw;
-    }
-    s.profiling = false;
-    MOE_CUDA_CHECK(cudaStreamEndCapture(s.stream, &graph));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);
-    MOE_CUDA_CHECK(err);
-    for (int replay = 0; replay < 2; ++replay) MOE_CUDA_CHECK(cudaGraphLaunch(exec, s.stream));
-    MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
-    cudaGraphExecDestroy(exec);
-  } else {
-    s.fill_padding(static_cast<int>(b), bucket);
-    s.upload_meta();
-    s.run_layers(bucket, bucket, s.opts.max_context);
-    s.head(0, bucket, logits, sampled);
-  }
+  s.fill_padding(static_cast<int>(b), bucket);
+  const size_t meta_bytes = s.meta_arena.used();
   std::vector<int32_t> out(static_cast<size_t>(b));
-  MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), sampled, static_cast<size_t>(b) * 4, cudaMemcpyDeviceToHost, s.stream));
-  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  s.each_rank([&](State& x) {
+    if (x.rank > 0) std::memcpy(x.meta_host, s.meta_host, meta_bytes);
+    x.upload_meta();
+    x.last_tokens = b;
+    float* logits = x.ws.logits;
+    int32_t* sampled = x.ws.sampled;
+    if (use_graph) {
+      const DecodeGraph& g = x.graph_for(bucket);
+      MOE_CUDA_CHECK(cudaGraphLaunch(g.exec, x.stream));
+      logits = g.logits;
+      sampled = g.sampled;
+    } else if (profile) {
+      x.profiled_step(bucket, logits, sampled);
+    } else {
+      x.run_layers(bucket, bucket, x.opts.max_context);
+      if (x.rank == 0) x.head(0, bucket, logits, sampled);
+    }
+    if (x.rank == 0)
+      MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), sampled, static_cast<size_t>(b) * 4, cudaMemcpyDeviceToHost, x.stream));
+    x.finish_step();
+  });
   for (int64_t i = 0; i < b; ++i) {
     Sequence& q = s.seqs[static_cast<size_t>(seqs[static_cast<size_t>(i)])];
     ++q.length;
@@ -886,10 +1046,15 @@ std::vector<int32_t> Engine::last_routing() const {
 MemoryReport Engine::memory() const {
   const State& s = *s_;
   MemoryReport r;
-  r.weights = s.model->bytes();
-  r.kv_cache = s.kv_arena.capacity();
-  r.workspace = s.workspace_arena.capacity() + s.meta_arena.capacity() + s.blas->workspace_bytes();
-  r.graph_outputs = s.graph_arena.capacity();
+  auto add = [&r](const State& x) {
+    r.weights += x.model->bytes();
+    r.kv_cache += x.kv_arena.capacity();
+    r.workspace += x.workspace_arena.capacity() + x.meta_arena.capacity() + x.blas->workspace_bytes();
+    r.graph_outputs += x.graph_arena.capacity();
+  };
+  add(s);
+  for (const auto& x : s.others) add(*x);
+  if (s.allreduce) r.workspace += s.allreduce->bytes_per_rank() * static_cast<size_t>(s.ranks);
   r.kv_blocks = s.kv_blocks;
   r.kv_blocks_free = static_cast<int64_t>(s.free_blocks.size());
   return r;

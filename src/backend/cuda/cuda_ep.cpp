@@ -5,6 +5,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/ep_exchange_launch.h"
+#include "backend/cuda/peer_access.h"
 #include "backend/cuda_moe.h"
 #include "moe/ep/ep_backend.h"  // token_shard: the shards the CPU backends use
 #include "moe/errors.h"
@@ -122,15 +123,7 @@ P2pExchange::P2pExchange(const std::vector<int>& devices, int64_t hidden, int64_
   s.cap = ceil_div(max_tokens, n);
   s.timeout_s = timeout_s;
   s.timeout_ns = static_cast<long long>(timeout_s * 1e9);
-  for (int a : devices) {
-    MOE_CUDA_CHECK(cudaSetDevice(a));
-    for (int b : devices) {
-      if (a == b) continue;
-      const cudaError_t err = cudaDeviceEnablePeerAccess(b, 0);
-      if (err == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
-      else MOE_CUDA_CHECK(err);
-    }
-  }
+  enable_peer_access(devices);
   auto carve = [&](Carver& c, P2pRank& r) {
     const size_t rows = static_cast<size_t>(n * s.cap);
     r.recv_x = c.take<uint16_t>(rows * hidden);

@@ -13,6 +13,7 @@
 #include "model/model.h"
 #include "model/weights.h"
 #include "moe/errors.h"
+#include "moe/placement.h"
 
 namespace moe::cuda {
 namespace {
@@ -73,12 +74,51 @@ void check_cuda_supported(const ModelConfig& mc) {
             "{}: head_dim {} is not supported on CUDA (even, at most 256)", mc.architecture, mc.head_dim);
 }
 
+void check_parallel_supported(const ModelConfig& mc, int ranks, bool tp) {
+  MOE_CHECK(ranks >= 1, kInvalidArgument, "the number of GPUs must be at least 1, got {}", ranks);
+  if (ranks == 1) return;
+  MOE_CHECK(mc.num_moe_layers() > 0, kInvalidArgument,
+            "{} GPUs: expert parallelism needs a mixture-of-experts model; {} has no routed experts",
+            ranks, mc.architecture);
+  MOE_CHECK(mc.moe.num_experts >= ranks, kInvalidArgument, "ep {} is larger than the number of experts {}",
+            ranks, mc.moe.num_experts);
+  if (!tp) return;
+  MOE_CHECK(mc.attention != AttentionKind::kMla, kUnsupported,
+            "{}: tensor-parallel latent attention is not implemented; use --tp 1", mc.architecture);
+  MOE_CHECK(mc.qk_norm != QkNorm::kFull, kUnsupported,
+            "{}: its q/k norm spans every head, which tensor-parallel attention cannot split; use --tp 1",
+            mc.architecture);
+  MOE_CHECK(mc.num_heads % ranks == 0 && (mc.num_kv_heads % ranks == 0 || ranks % mc.num_kv_heads == 0),
+            kUnsupported,
+            "tp {}: {} attention heads and {} key/value heads do not split over {} GPUs (the heads must "
+            "divide evenly; key/value heads divide or are replicated)",
+            ranks, mc.num_heads, mc.num_kv_heads, ranks);
+}
+
 std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const ModelConfig& mc,
                                                const DeviceLoad& opts) {
   check_cuda_supported(mc);
+  check_parallel_supported(mc, opts.ranks, opts.tp);
   MOE_CUDA_CHECK(cudaSetDevice(opts.device));
+  ExpertSelection selection;
+  int64_t first_expert = 0, local_experts = mc.moe.num_experts;
+  if (opts.ranks > 1) {
+    const ExpertPlacement placement(mc.moe.num_experts, opts.ranks, opts.rank);
+    selection.global_to_local = placement.global_to_local();
+    first_expert = placement.first_expert();
+    local_experts = placement.num_local();
+  }
+  const bool split_heads = opts.tp && opts.ranks > 1;
+  const int64_t q_heads = split_heads ? mc.num_heads / opts.ranks : mc.num_heads;
+  const int64_t kv_heads = !split_heads ? mc.num_kv_heads
+                           : mc.num_kv_heads >= opts.ranks ? mc.num_kv_heads / opts.ranks : 1;
+  const int64_t q_first = split_heads ? opts.rank * q_heads : 0;
+  // A rank's key/value heads: its share, or the one head its query heads are grouped on.
+  const int64_t kv_first = !split_heads ? 0
+                           : mc.num_kv_heads >= opts.ranks ? opts.rank * kv_heads
+                                                           : q_first / (mc.num_heads / mc.num_kv_heads);
   // Size the layout from the state-dict keys: every allocation is at most 63 bytes of padding.
-  const auto keys = state_dict_keys(mc);
+  const auto keys = state_dict_keys(mc, selection);
   size_t host_bytes = 4096;
   for (const auto& [name, shape] : keys) {
     size_t n = 4;
@@ -94,7 +134,7 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
   if (opts.random_weights) {
     WeightLoader loader(*layout, opts.seed);
     loader.set_sink(&sink);
-    w = load_weights(mc, loader);
+    w = load_weights(mc, loader, selection);
   } else {
     Checkpoint ckpt(dir);
     WeightLoader loader(ckpt, *layout, opts.strict);
@@ -110,7 +150,7 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
                      done / 1e9, total / 1e9);
         std::fflush(stderr);
       };
-    w = load_weights(mc, loader);
+    w = load_weights(mc, loader, selection);
     loader.finish();
     if (draw) std::fprintf(stderr, "\n");
   }
@@ -140,6 +180,17 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     model->derived = DeviceArena("derived weights", static_cast<size_t>(mc.num_layers) *
                                                         (static_cast<size_t>(mc.num_heads * mc.mla.kv_lora_rank *
                                                                              mc.mla.qk_nope_head_dim) * 2 + 256) + 256);
+  // Under tp, each rank's rows of q, k and v back to back (one projection, as on one GPU) and
+  // its columns of the output projection, each gathered into a dense matrix.
+  if (split_heads)
+    model->derived = DeviceArena("attention slices",
+                                 static_cast<size_t>(mc.num_layers) *
+                                     (static_cast<size_t>(mc.hidden_size * (2 * q_heads + 2 * kv_heads) * mc.head_dim) * 2 +
+                                      512) + 256);
+  model->q_heads = q_heads;
+  model->kv_heads = kv_heads;
+  model->first_expert = first_expert;
+  model->local_experts = local_experts;
   model->embed = bf16(w.embed);
   model->lm_head = bf16(w.lm_head);
   model->final_norm = f32(w.final_norm);
@@ -159,10 +210,36 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     d.v = bf16(a.v);
     d.o = bf16(a.o);
     d.qkv_fused = d.k == d.q + a.q.numel() && d.v == d.k + a.k.numel();
+    const int64_t hd = mc.head_dim;
+    if (split_heads && mc.attention != AttentionKind::kMla) {
+      // Rows of q, k and v are contiguous per head; the output projection's columns are not.
+      const int64_t qw = mc.num_heads * hd, qw_local = q_heads * hd, kw_local = kv_heads * hd;
+      const size_t row = static_cast<size_t>(mc.hidden_size) * 2;
+      uint16_t* qkv = model->derived.take_n<uint16_t>(static_cast<size_t>((qw_local + 2 * kw_local) * mc.hidden_size));
+      MOE_CUDA_CHECK(cudaMemcpy(qkv, d.q + q_first * hd * mc.hidden_size, static_cast<size_t>(qw_local) * row,
+                                cudaMemcpyDeviceToDevice));
+      MOE_CUDA_CHECK(cudaMemcpy(qkv + qw_local * mc.hidden_size, d.k + kv_first * hd * mc.hidden_size,
+                                static_cast<size_t>(kw_local) * row, cudaMemcpyDeviceToDevice));
+      MOE_CUDA_CHECK(cudaMemcpy(qkv + (qw_local + kw_local) * mc.hidden_size, d.v + kv_first * hd * mc.hidden_size,
+                                static_cast<size_t>(kw_local) * row, cudaMemcpyDeviceToDevice));
+      d.q = qkv;
+      d.k = qkv + qw_local * mc.hidden_size;
+      d.v = d.k + kw_local * mc.hidden_size;
+      d.qkv_fused = true;
+      uint16_t* o = model->derived.take_n<uint16_t>(static_cast<size_t>(mc.hidden_size * qw_local));
+      MOE_CUDA_CHECK(cudaMemcpy2D(o, static_cast<size_t>(qw_local) * 2, d.o + q_first * hd,
+                                  static_cast<size_t>(qw) * 2, static_cast<size_t>(qw_local) * 2,
+                                  static_cast<size_t>(mc.hidden_size), cudaMemcpyDeviceToDevice));
+      d.o = o;
+    }
     if (mc.qkv_bias) {
       std::vector<float> bias;
-      for (const Tensor* b : {&a.q_bias, &a.k_bias, &a.v_bias})
-        bias.insert(bias.end(), b->data<float>(), b->data<float>() + b->numel());
+      const std::pair<const Tensor*, int64_t> parts[] = {{&a.q_bias, q_first * hd}, {&a.k_bias, kv_first * hd},
+                                                         {&a.v_bias, kv_first * hd}};
+      for (const auto& [b, first] : parts) {
+        const int64_t width = (b == &a.q_bias ? q_heads : kv_heads) * hd;
+        bias.insert(bias.end(), b->data<float>() + first, b->data<float>() + first + width);
+      }
       d.qkv_bias = upload_f32(bias.data(), bias.size());
     }
     d.q_norm = f32(a.q_norm);

@@ -43,6 +43,10 @@ struct DeviceModel {
   const uint16_t* embed = nullptr;
   const uint16_t* lm_head = nullptr;
   const float* final_norm = nullptr;
+  // This rank's share (all of it on one GPU): attention heads, and the block of routed experts
+  // that starts at global expert first_expert.
+  int64_t q_heads = 0, kv_heads = 0;
+  int64_t first_expert = 0, local_experts = 0;
   const float* inv_freq = nullptr;
   std::vector<DeviceLayer> layers;
   size_t bytes() const { return mirror.capacity() + small.capacity() + derived.capacity(); }
@@ -55,7 +59,17 @@ struct DeviceLoad {
   bool strict = true;
   bool progress = false;
   int64_t max_tokens = 0;  // largest step, for the experts' path choice
+  // Rank `rank` of `ranks` GPUs holds its block of every layer's routed experts (ExpertPlacement)
+  // and, with `tp`, its share of the attention heads: num_heads / ranks query heads and the
+  // key/value heads they read (their own share, or one head when there are fewer than ranks).
+  int rank = 0, ranks = 1;
+  bool tp = false;
 };
+
+// Throws kUnsupported for a model the parallel settings cannot split (latent attention or a
+// whole-width q/k norm under tp, heads that do not divide), kInvalidArgument for more ranks
+// than experts.
+void check_parallel_supported(const ModelConfig& mc, int ranks, bool tp);
 
 // Throws kUnsupported for what the CUDA path does not run yet (an output-projection bias, latent
 // widths past the kernels' limits).

@@ -170,7 +170,8 @@ __global__ void __launch_bounds__(kWarps * 32) norm_route_kernel(NormRouteParams
     route_detail::route_token<P>([&](int e) { return __ldcg(row + e); }, p, group_lanes, lane,
                                  s_buf[warp], s_group[warp], s_w[warp],
                                  ids + static_cast<size_t>(t) * p.top_k,
-                                 weights + static_cast<size_t>(t) * p.top_k);
+                                 weights + static_cast<size_t>(t) * p.top_k,
+                                 p.local_ids ? p.local_ids + static_cast<size_t>(t) * p.top_k : nullptr);
   }
   if (threadIdx.x == 0) *q.counter = 0u;  // ready for the next launch
 }

@@ -78,6 +78,11 @@ struct RouterParams {
   const float* bias = nullptr;  // e_score_correction_bias [experts] (choice only), or null
   int renormalize = 0;
   float scaling = 1.0f;
+  // Expert parallelism: when set, each chosen id is also written here ([tokens, top_k], same
+  // slots) as an index among the experts [local_first, local_first + local_count) this rank
+  // holds, or -1 for another rank's, which saves the experts a separate translation.
+  int32_t* local_ids = nullptr;
+  int local_first = 0, local_count = 0;
 };
 
 // logits f32 [tokens, experts] -> ids int32 [tokens, top_k] ascending per token, weights f32

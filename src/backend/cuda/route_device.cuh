@@ -159,11 +159,12 @@ __device__ __forceinline__ void mask_groups_lanes(const RouterParams& p, float (
 // One token on one warp; lane L holds experts [L P, L P + P). load(e) gives logit e. buf and
 // group: [kRouterMaxExperts] floats of this warp's shared memory (16-byte aligned), s_w:
 // [kRouterMaxTopK]. group_lanes: G for mask_groups_lanes, 0 for the shared-memory path. Writes
-// ids[0, k) ascending and weights[0, k).
+// ids[0, k) ascending and weights[0, k), and with p.local_ids the same ids as this rank's
+// indices into local_out[0, k).
 template <int P, typename Load>
 __device__ __forceinline__ void route_token(Load load, const RouterParams& p, int group_lanes,
                                             int lane, float* buf, float* group, float* s_w,
-                                            int32_t* id_out, float* weight_out) {
+                                            int32_t* id_out, float* weight_out, int32_t* local_out) {
   const int n = p.experts, k = p.top_k, base = lane * P;
   float s[P], b[P];
 #pragma unroll
@@ -239,6 +240,10 @@ __device__ __forceinline__ void route_token(Load load, const RouterParams& p, in
       const int slot = before + __popc(taken & ((1u << j) - 1u));
       s_w[slot] = p.group_ranking == 1 ? c[j] : s[j];
       id_out[slot] = base + j;
+      if (local_out) {
+        const int e = base + j - p.local_first;
+        local_out[slot] = e >= 0 && e < p.local_count ? e : -1;
+      }
     }
   __syncwarp();
   float sum = 0.0f;  // in ascending expert order, as the CPU

@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(const float* __
   route_detail::route_token<P>([&](int e) { return __ldg(row + e); }, p, group_lanes, lane,
                                s_buf[warp], s_group[warp], s_w[warp],
                                ids + static_cast<size_t>(t) * p.top_k,
-                               weights + static_cast<size_t>(t) * p.top_k);
+                               weights + static_cast<size_t>(t) * p.top_k,
+                               p.local_ids ? p.local_ids + static_cast<size_t>(t) * p.top_k : nullptr);
 }
 
 // route() with the projection folded in, for small routers: one warp per token computes the
@@ -121,7 +122,8 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_hidden_kernel(
   route_detail::route_token<P>([&](int e) { return s_logit[warp][e]; }, p, group_lanes, lane,
                                s_buf[warp], s_group[warp], s_w[warp],
                                ids + static_cast<size_t>(t) * p.top_k,
-                               weights + static_cast<size_t>(t) * p.top_k);
+                               weights + static_cast<size_t>(t) * p.top_k,
+                               p.local_ids ? p.local_ids + static_cast<size_t>(t) * p.top_k : nullptr);
 }
 
 // ---- samplers -----------------------------------------------------------------------------------

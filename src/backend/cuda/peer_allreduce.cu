@@ -1,0 +1,290 @@
+// PeerAllReduce (peer_allreduce.h): the kernel and its buffers.
+#include "backend/cuda/peer_allreduce.h"
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <string>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/pdl.h"
+#include "backend/cuda/peer_access.h"
+#include "moe/errors.h"
+
+namespace moe::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxRanks = PeerAllReduce::kMaxRanks;
+constexpr int kMaxBlocks = PeerAllReduce::kMaxBlocks;
+
+struct Args {
+  uint16_t* data;
+  int64_t rows;
+  int vectors;           // 8-element (16-byte) vectors per row
+  int64_t max_elements;  // one inbox slot
+  int rank, ranks;
+  uint16_t* inbox[kMaxRanks];  // each rank's inbox
+  unsigned* flags[kMaxRanks];  // each rank's flags
+  unsigned* epochs;            // this rank's
+  int* status;                 // this rank's
+  long long timeout_ns;
+  PeerAllReduce::AddNorm norm;  // folded when norm.weight is set
+};
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_release(unsigned* p, unsigned v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ float block_sum(float v, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) total += red[w];
+  __syncthreads();  // red is reused by the next row
+  return total;
+}
+
+// Vector v of the rank-order f32 sum, rounded once to bf16 (as 8 floats).
+__device__ __forceinline__ void rank_sum(const Args& a, const uint16_t* mine, size_t slot, int64_t v,
+                                         float (&out)[8]) {
+  float s[8] = {};
+  for (int p = 0; p < a.ranks; ++p) {
+    // Peers' rows bypass L1: the same inbox held other rows two calls ago.
+    const uint4 x = p == a.rank ? reinterpret_cast<const uint4*>(a.data)[v]
+                                : __ldcg(reinterpret_cast<const uint4*>(mine + p * slot) + v);
+    const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&x);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float2 f = __bfloat1622float2(q[c]);
+      s[2 * c] += f.x;
+      s[2 * c + 1] += f.y;
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const float2 r = __bfloat1622float2(__floats2bfloat162_rn(s[2 * c], s[2 * c + 1]));
+    out[2 * c] = r.x;
+    out[2 * c + 1] = r.y;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) peer_allreduce_kernel(Args a) {
+  __shared__ unsigned epoch;
+  __shared__ int failed;
+  __shared__ float red[kThreads / 32];
+  kernels::begin_dependent();  // first: see pdl.h
+  const int b = blockIdx.x, tid = threadIdx.x;
+  if (tid == 0) {
+    epoch = a.epochs[b] + 1;
+    failed = 0;
+  }
+  __syncthreads();
+  const unsigned e = epoch;
+  const size_t parity = e & 1u;
+  const int64_t per = (a.rows + gridDim.x - 1) / gridDim.x;
+  const int64_t r0 = b * per, r1 = min(a.rows, r0 + per);
+  const int64_t v0 = r0 * a.vectors, v1 = max(v0, r1 * a.vectors);
+  const uint4* src = reinterpret_cast<const uint4*>(a.data);
+  const size_t slot = static_cast<size_t>(a.max_elements);
+
+  // Push this block's rows to every peer, then raise its flag there.
+  for (int p = 0; p < a.ranks; ++p) {
+    if (p == a.rank) continue;
+    uint4* dst = reinterpret_cast<uint4*>(a.inbox[p] + (parity * a.ranks + a.rank) * slot);
+    for (int64_t v = v0 + tid; v < v1; v += kThreads) dst[v] = src[v];
+  }
+  // The block's stores are ordered before the flag by the barrier and one system-scope fence in
+  // each signalling thread (the pattern NCCL's kernels use), not a fence in every thread.
+  __syncthreads();
+  if (tid < a.ranks && tid != a.rank) {
+    __threadfence_system();
+    store_release(a.flags[tid] + a.rank * kMaxBlocks + b, e);
+  }
+
+  // Wait for every peer's rows of this call.
+  if (tid < a.ranks && tid != a.rank) {
+    const unsigned* flag = a.flags[a.rank] + tid * kMaxBlocks + b;
+    volatile int* status = a.status;
+    const unsigned long long start = now_ns();
+    while (static_cast<int>(load_acquire(flag) - e) < 0) {
+      if (*status != 0 || static_cast<long long>(now_ns() - start) > a.timeout_ns) {
+        atomicCAS(a.status, 0, tid + 1);
+        failed = 1;
+        break;
+      }
+      __nanosleep(64);
+    }
+  }
+  __syncthreads();
+  const uint16_t* mine = a.inbox[a.rank] + parity * a.ranks * slot;
+  if (!failed && !a.norm.weight) {
+    for (int64_t v = v0 + tid; v < v1; v += kThreads) {
+      float s[8];
+      rank_sum(a, mine, slot, v, s);
+      uint4 out;
+      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[c] = __floats2bfloat162_rn(s[2 * c], s[2 * c + 1]);
+      reinterpret_cast<uint4*>(a.data)[v] = out;
+    }
+  } else if (!failed) {
+    // Row by row: residual += sum (+ extra) as add_rms_norm adds, then the norm of the row.
+    const int hidden = a.vectors * 8;
+    for (int64_t r = r0; r < r1; ++r) {
+      float* x = a.norm.residual + r * hidden;
+      float ss = 0.0f;
+      for (int c = tid; c < a.vectors; c += kThreads) {
+        float s[8];
+        rank_sum(a, mine, slot, r * a.vectors + c, s);
+        float4 lo = reinterpret_cast<const float4*>(x)[2 * c], hi = reinterpret_cast<const float4*>(x)[2 * c + 1];
+        float v[8] = {lo.x + s[0], lo.y + s[1], lo.z + s[2], lo.w + s[3], hi.x + s[4], hi.y + s[5], hi.z + s[6], hi.w + s[7]};
+        if (a.norm.extra) {
+          const uint4 w = reinterpret_cast<const uint4*>(a.norm.extra + r * hidden)[c];
+          const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const float2 f = __bfloat1622float2(q[k]);
+            v[2 * k] += f.x;
+            v[2 * k + 1] += f.y;
+          }
+        }
+        reinterpret_cast<float4*>(x)[2 * c] = make_float4(v[0], v[1], v[2], v[3]);
+        reinterpret_cast<float4*>(x)[2 * c + 1] = make_float4(v[4], v[5], v[6], v[7]);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) ss += v[k] * v[k];
+      }
+      ss = block_sum(ss, red);
+      const float inv = 1.0f / sqrtf(ss / static_cast<float>(hidden) + a.norm.eps);
+      for (int c = tid; c < a.vectors; c += kThreads) {  // the same thread's own stores: visible
+        const float4 lo = reinterpret_cast<const float4*>(x)[2 * c], hi = reinterpret_cast<const float4*>(x)[2 * c + 1];
+        const float4 wl = reinterpret_cast<const float4*>(a.norm.weight)[2 * c];
+        const float4 wh = reinterpret_cast<const float4*>(a.norm.weight)[2 * c + 1];
+        uint4 out;
+        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+        o[0] = __floats2bfloat162_rn(wl.x * (lo.x * inv), wl.y * (lo.y * inv));
+        o[1] = __floats2bfloat162_rn(wl.z * (lo.z * inv), wl.w * (lo.w * inv));
+        o[2] = __floats2bfloat162_rn(wh.x * (hi.x * inv), wh.y * (hi.y * inv));
+        o[3] = __floats2bfloat162_rn(wh.z * (hi.z * inv), wh.w * (hi.w * inv));
+        reinterpret_cast<uint4*>(a.norm.normed + r * hidden)[c] = out;
+      }
+    }
+  }
+  if (tid == 0) a.epochs[b] = e;
+}
+
+size_t align_up(size_t n) { return (n + 255) / 256 * 256; }
+
+}  // namespace
+
+PeerAllReduce::PeerAllReduce(const std::vector<int>& devices, int64_t max_elements, double timeout_s) {
+  const int n = static_cast<int>(devices.size());
+  MOE_CHECK(n >= 1 && n <= kMaxRanks, kInvalidArgument, "the all-reduce takes 1 to {} GPUs, got {}",
+            kMaxRanks, n);
+  MOE_CHECK(max_elements >= 8 && max_elements % 8 == 0 && timeout_s > 0, kInvalidArgument,
+            "all-reduce: max elements {} (a positive multiple of 8), timeout {} s (> 0)", max_elements,
+            timeout_s);
+  for (int a : devices)
+    for (int b : devices) {
+      if (a == b) continue;
+      int can = 0;
+      if (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess) {
+        cudaGetLastError();
+        can = 0;
+      }
+      MOE_CHECK(can, kUnsupported, "running on several GPUs needs peer access: GPU {} cannot access the memory of GPU {}",
+                a, b);
+    }
+  max_elements_ = max_elements;
+  timeout_ns_ = static_cast<long long>(timeout_s * 1e9);
+  const size_t inbox = align_up(2 * static_cast<size_t>(n) * static_cast<size_t>(max_elements) * 2);
+  const size_t flags = align_up(static_cast<size_t>(n) * kMaxBlocks * 4);
+  const size_t epochs = align_up(kMaxBlocks * 4);
+  bytes_ = inbox + flags + epochs + 256;
+  enable_peer_access(devices);
+  for (int d : devices) {
+    MOE_CUDA_CHECK(cudaSetDevice(d));
+    Rank r;
+    r.device = d;
+    MOE_CUDA_CHECK(cudaMalloc(&r.base, bytes_));
+    char* base = static_cast<char*>(r.base);
+    r.inbox = reinterpret_cast<uint16_t*>(base);
+    r.flags = reinterpret_cast<unsigned*>(base + inbox);
+    r.epochs = reinterpret_cast<unsigned*>(base + inbox + flags);
+    r.status = reinterpret_cast<int*>(base + inbox + flags + epochs);
+    MOE_CUDA_CHECK(cudaMemset(base + inbox, 0, bytes_ - inbox));
+    ranks_.push_back(r);
+  }
+  for (int d : devices) {
+    MOE_CUDA_CHECK(cudaSetDevice(d));
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+}
+
+PeerAllReduce::~PeerAllReduce() {
+  for (Rank& r : ranks_) {
+    cudaSetDevice(r.device);
+    cudaFree(r.base);
+  }
+}
+
+void PeerAllReduce::run(int rank, uint16_t* data, int64_t rows, int64_t hidden, cudaStream_t stream,
+                        const AddNorm* then) const {
+  MOE_CHECK(rank >= 0 && rank < ranks() && rows >= 0 && hidden >= 8 && hidden % 8 == 0 &&
+                rows * hidden <= max_elements_ && (!then || (then->residual && then->weight && then->normed)),
+            kInvalidArgument,
+            "all-reduce: rank {} of {}, {} rows of {} (a multiple of 8; at most {} elements){}", rank, ranks(),
+            rows, hidden, max_elements_, then ? ", with a residual, a norm weight and an output" : "");
+  if (rows == 0) return;
+  if (ranks() == 1 && !then) return;
+  Args a{};
+  a.data = data;
+  a.rows = rows;
+  a.vectors = static_cast<int>(hidden / 8);
+  a.max_elements = max_elements_;
+  a.rank = rank;
+  a.ranks = ranks();
+  for (int p = 0; p < ranks(); ++p) {
+    a.inbox[p] = ranks_[static_cast<size_t>(p)].inbox;
+    a.flags[p] = ranks_[static_cast<size_t>(p)].flags;
+  }
+  a.epochs = ranks_[static_cast<size_t>(rank)].epochs;
+  a.status = ranks_[static_cast<size_t>(rank)].status;
+  a.timeout_ns = timeout_ns_;
+  if (then) a.norm = *then;
+  // Whole rows per block, up to kMaxBlocks blocks: far below one block per multiprocessor, so
+  // every block of every rank is resident at once (the waits need it).
+  const int64_t blocks = std::min<int64_t>(kMaxBlocks, rows);
+  // A dependent launch: scheduled while its predecessor finishes, waiting for it on the device.
+  MOE_CUDA_CHECK(kernels::launch_dependent(peer_allreduce_kernel, dim3(static_cast<unsigned>(blocks)),
+                                           dim3(kThreads), 0, stream, a));
+}
+
+void PeerAllReduce::check(int rank) const {
+  MOE_CHECK(rank >= 0 && rank < ranks(), kInvalidArgument, "all-reduce: rank {} of {}", rank, ranks());
+  const Rank& r = ranks_[static_cast<size_t>(rank)];
+  int status = 0;
+  MOE_CUDA_CHECK(cudaSetDevice(r.device));
+  MOE_CUDA_CHECK(cudaMemcpy(&status, r.status, 4, cudaMemcpyDeviceToHost));
+  MOE_CHECK(status == 0, kInternal,
+            "all-reduce on GPU {}: the rows of GPU {} did not arrive within {:.1f} s (a rank stopped "
+            "or fell behind); the engine must be reloaded",
+            r.device, ranks_[static_cast<size_t>(status - 1)].device, timeout_ns_ * 1e-9);
+}
+
+}  // namespace moe::cuda

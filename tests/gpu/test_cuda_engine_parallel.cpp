@@ -1,0 +1,259 @@
+// The engine on several GPUs (EngineOptions tp and ep) against the same engine on one GPU, on
+// the transformers fixtures: logits within the bf16 bound, the same greedy tokens wherever the
+// one-GPU run decides clearly, graph replay equal to eager decode and a batch equal to its
+// sequences alone. The split settings it cannot run are refused before any GPU is touched (those
+// tests run everywhere). GPU tests skip, visibly, with fewer GPUs than they need.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <tuple>
+
+#include <nlohmann/json.hpp>
+
+#include "backend/cuda_engine.h"
+#include "gpu_test_util.h"
+#include "../support/fixtures.h"
+#include "model/config.h"
+#include "moe/errors.h"
+
+namespace moe {
+namespace {
+
+using test::fixture_dir;
+using test::reference;
+
+int gpu_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+bool peers_reachable(int n) {
+  for (int a = 0; a < n; ++a)
+    for (int b = 0; b < n; ++b) {
+      int can = 0;
+      if (a != b && (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess || !can)) return false;
+    }
+  return true;
+}
+
+#define REQUIRE_PEER_GPUS(n)                                                                   \
+  if (gpu_count() < (n)) GTEST_SKIP() << "fewer than " << (n) << " CUDA devices: multi-GPU test skipped"; \
+  if (!peers_reachable(n)) GTEST_SKIP() << "no peer access between the GPUs: multi-GPU test skipped"
+
+// Attention splits over the GPUs unless the model's attention cannot be split (latent
+// attention, a q/k norm over every head): those run tp 1, ep n.
+int tp_for(const std::string& dir, int n) {
+  const ModelConfig mc = load_model_config(dir);
+  return mc.attention == AttentionKind::kMla || mc.qk_norm == QkNorm::kFull ? 1 : n;
+}
+
+std::unique_ptr<cuda::Engine> load(const std::string& dir, int tp, int ep, bool graphs = true, bool fuse = true) {
+  cuda::EngineOptions o;
+  o.fuse = fuse;
+  o.record_routing = true;
+  o.max_batch = 4;
+  o.max_context = 128;
+  o.graphs = graphs;
+  o.tp = tp;
+  o.ep = ep;
+  return cuda::Engine::load(dir, o);
+}
+
+// The one-GPU engine's bound against transformers (test_cuda_engine.cpp) covers two bf16 runs
+// that round differently: 4% of the largest logit magnitude, at least 2e-3.
+double logit_bound(double scale) { return std::max(0.04 * scale, 2e-3); }
+
+Tensor forced_logits(cuda::Engine& e, const std::vector<int32_t>& sequence, std::vector<int32_t>* routing) {
+  Tensor logits;
+  const int32_t s = e.open_sequence();
+  e.prefill(s, sequence, SamplingParams{}, &logits, true);
+  e.close_sequence(s);
+  *routing = e.last_routing();
+  return logits;
+}
+
+std::vector<int32_t> greedy(cuda::Engine& e, const std::vector<int32_t>& ids, size_t n) {
+  const int32_t s = e.open_sequence();
+  std::vector<int32_t> got{e.prefill(s, ids, SamplingParams{})};
+  std::vector<int32_t> seqs{s};
+  std::vector<SamplingParams> g(1);
+  while (got.size() < n) {
+    std::vector<int32_t> last{got.back()};
+    got.push_back(e.decode(seqs, last, g)[0]);
+  }
+  e.close_sequence(s);
+  return got;
+}
+
+class CudaEngineParallel : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+// Rows before the first routing decision where the two runs chose differently (a bf16 near-tie:
+// the GPUs round partial sums separately) must agree within the bound; greedy tokens must agree
+// for every step the one-GPU run decides clearly (top-1 gap over 3x the logit difference).
+TEST_P(CudaEngineParallel, LogitsAndGreedyTokensMatchOneGpu) {
+  const auto& [name, n] = GetParam();
+  REQUIRE_PEER_GPUS(n);
+  const std::string dir = fixture_dir(name);
+  const int tp = tp_for(dir, n);
+  auto one = load(dir, 1, 1);
+  auto many = load(dir, tp, n);
+  // Folding the residual adds and norms into the all-reduces changes only f32 summation order.
+  auto unfused = load(dir, tp, n, true, false);
+  const ModelConfig& mc = one->config();
+  const int64_t vocab = mc.vocab_size, k = std::max<int64_t>(mc.moe.top_k, 1);
+  auto ref = reference(dir);
+  size_t compared = 0, rows_checked = 0;
+  bool all_equal = true;
+  for (size_t i = 0; i < ref["inputs"].size(); ++i) {
+    auto ids = ref["inputs"][i].get<std::vector<int32_t>>();
+    auto expected = ref["greedy"][i].get<std::vector<int32_t>>();
+    std::vector<int32_t> sequence = ids;
+    sequence.insert(sequence.end(), expected.begin(), expected.end() - 1);
+    const int64_t rows = static_cast<int64_t>(sequence.size());
+    std::vector<int32_t> route1, routen;
+    const Tensor l1 = forced_logits(*one, sequence, &route1);
+    const Tensor ln = forced_logits(*many, sequence, &routen);
+    ASSERT_EQ(route1.size(), routen.size());
+    std::vector<int32_t> route_unfused;
+    const Tensor lu = forced_logits(*unfused, sequence, &route_unfused);
+    if (route_unfused == routen) {
+      double d = 0, scale = 0;
+      for (int64_t j = 0; j < rows * vocab; ++j) {
+        d = std::max(d, std::fabs(static_cast<double>(lu.data<float>()[j]) - ln.data<float>()[j]));
+        scale = std::max(scale, std::fabs(static_cast<double>(ln.data<float>()[j])));
+      }
+      EXPECT_LE(d, logit_bound(scale)) << name << ": folded and separate kernels disagree, input " << i;
+    }
+    int64_t diverged = rows;
+    for (int64_t l = 0; l < mc.num_layers; ++l)
+      for (int64_t t = 0; t < rows; ++t)
+        if (!std::equal(route1.begin() + (l * rows + t) * k, route1.begin() + (l * rows + t + 1) * k,
+                        routen.begin() + (l * rows + t) * k))
+          diverged = std::min(diverged, t);
+    std::vector<double> diff(static_cast<size_t>(rows), 0.0);
+    for (int64_t t = 0; t < rows; ++t) {
+      const float* a = l1.data<float>() + t * vocab;
+      const float* b = ln.data<float>() + t * vocab;
+      double scale = 0;
+      for (int64_t v = 0; v < vocab; ++v) {
+        ASSERT_TRUE(std::isfinite(b[v])) << name << " row " << t;
+        diff[static_cast<size_t>(t)] = std::max(diff[static_cast<size_t>(t)], std::fabs(static_cast<double>(a[v]) - b[v]));
+        scale = std::max(scale, std::fabs(static_cast<double>(a[v])));
+      }
+      if (t >= diverged) continue;
+      ++rows_checked;
+      EXPECT_LE(diff[static_cast<size_t>(t)], logit_bound(scale)) << name << " on " << n << " GPUs, input " << i << " row " << t;
+    }
+    const auto got1 = greedy(*one, ids, expected.size());
+    const auto gotn = greedy(*many, ids, expected.size());
+    size_t clear = 0;
+    for (size_t step = 0; step < expected.size(); ++step) {
+      const int64_t pos = static_cast<int64_t>(ids.size() - 1 + step);
+      if (pos >= diverged || got1[step] != expected[step]) break;  // past the forced path
+      const float* a = l1.data<float>() + pos * vocab;
+      std::vector<float> sorted(a, a + vocab);
+      std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+      if (sorted[0] - sorted[1] <= 3 * diff[static_cast<size_t>(pos)]) break;
+      EXPECT_EQ(gotn[step], got1[step]) << name << " on " << n << " GPUs, input " << i << " step " << step;
+      ++clear;
+    }
+    std::printf("[ %s, tp %d ep %d, input %zu ] %zu of %zu greedy steps decided clearly; tokens: %s\n", name.c_str(),
+                tp, n, i, clear, expected.size(), gotn == got1 ? "all equal to one GPU" : "differ later");
+    compared += clear;
+    all_equal = all_equal && gotn == got1;
+  }
+  EXPECT_GT(rows_checked, 0u) << name << ": routing diverged at the first row of every input";
+  EXPECT_TRUE(compared > 0 || all_equal) << name << ": no step was decided clearly and the tokens differ";
+}
+
+// The same kernels and all-reduces whether replayed from graphs or run eagerly, and whatever
+// the batch: identical tokens.
+TEST_P(CudaEngineParallel, GraphDecodeEqualsEagerAndBatchEqualsAlone) {
+  const auto& [name, n] = GetParam();
+  REQUIRE_PEER_GPUS(n);
+  const std::string dir = fixture_dir(name);
+  const int tp = tp_for(dir, n);
+  std::vector<std::vector<int32_t>> prompts{{5, 9, 1}, {7}, {3, 2, 8, 8, 4, 6, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10}};
+  auto run = [&](bool graphs, bool together) {
+    auto engine = load(dir, tp, n, graphs);
+    std::vector<std::vector<int32_t>> out(prompts.size());
+    std::vector<int32_t> seqs, last;
+    for (const auto& p : prompts) {
+      seqs.push_back(engine->open_sequence());
+      last.push_back(engine->prefill(seqs.back(), p, SamplingParams{}));
+      out[seqs.size() - 1].push_back(last.back());
+    }
+    for (int step = 0; step < 12; ++step) {
+      if (together) {
+        std::vector<SamplingParams> g(seqs.size());
+        last = engine->decode(seqs, last, g);
+      } else {
+        for (size_t s = 0; s < seqs.size(); ++s) {
+          std::vector<int32_t> one{seqs[s]}, tok{last[s]};
+          std::vector<SamplingParams> g(1);
+          last[s] = engine->decode(one, tok, g)[0];
+        }
+      }
+      for (size_t s = 0; s < seqs.size(); ++s) out[s].push_back(last[s]);
+    }
+    for (int32_t s : seqs) engine->close_sequence(s);
+    const cuda::MemoryReport m = engine->memory();
+    EXPECT_GT(m.weights, 0u);
+    EXPECT_EQ(m.kv_blocks_free, m.kv_blocks - 1) << "blocks left behind after closing every sequence";
+    return out;
+  };
+  const auto graph_batch = run(true, true);
+  EXPECT_EQ(graph_batch, run(false, true)) << name << ": graph replay differs from eager decode";
+  EXPECT_EQ(graph_batch, run(true, false)) << name << ": a batch differs from its sequences decoded alone";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fixtures, CudaEngineParallel,
+    ::testing::Combine(::testing::Values("qwen3_moe_f32", "qwen3_moe_bf16", "mixtral_f32", "mixtral_f16_sharded",
+                                         "qwen2_moe_f32", "olmoe_f32", "deepseek_v2_f32", "deepseek_v3_f32"),
+                       ::testing::Values(2, 4)),
+    [](const auto& info) { return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "gpus"; });
+
+ErrorKind kind_of(const std::function<void()>& f, std::string* message = nullptr) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (message) *message = e.what();
+    return e.kind();
+  }
+  ADD_FAILURE() << "no error was thrown";
+  return ErrorKind::kInternal;
+}
+
+// Refused with a one-line reason before any weight is read or any GPU is needed.
+TEST(CudaEngineParallel, RefusesSplitsItCannotRun) {
+  EXPECT_EQ(kind_of([] { cuda::engine_ranks(2, 1); }), ErrorKind::kUnsupported) << "tp without ep";
+  EXPECT_EQ(kind_of([] { cuda::engine_ranks(2, 4); }), ErrorKind::kUnsupported) << "tp neither 1 nor ep";
+  EXPECT_EQ(kind_of([] { cuda::engine_ranks(0, 1); }), ErrorKind::kInvalidArgument);
+  EXPECT_EQ(cuda::engine_ranks(1, 3), 3);
+  std::string why;
+  EXPECT_EQ(kind_of([] { load(fixture_dir("deepseek_v2_f32"), 2, 2); }, &why), ErrorKind::kUnsupported);
+  EXPECT_NE(why.find("latent attention"), std::string::npos) << why;
+  EXPECT_EQ(kind_of([] { load(fixture_dir("olmoe_f32"), 2, 2); }, &why), ErrorKind::kUnsupported);
+  EXPECT_NE(why.find("q/k norm"), std::string::npos) << why;
+  EXPECT_EQ(kind_of([] { load(fixture_dir("qwen3_moe_f32"), 3, 3); }, &why), ErrorKind::kUnsupported);
+  EXPECT_NE(why.find("do not split"), std::string::npos) << why;
+  EXPECT_EQ(kind_of([] { load(fixture_dir("qwen3_moe_f32"), 1, 9); }, &why), ErrorKind::kInvalidArgument)
+      << "9 ranks for 8 experts";
+  EXPECT_EQ(kind_of([] { load(fixture_dir("qwen3_dense_f32"), 1, 2); }, &why), ErrorKind::kInvalidArgument)
+      << "expert parallelism without experts";
+  const int too_many = std::clamp(gpu_count() + 1, 2, 16);
+  if (gpu_count() < 16) {
+    EXPECT_EQ(kind_of([&] { load(fixture_dir("qwen3_moe_bf16"), 1, too_many); }, &why), ErrorKind::kUnsupported);
+    EXPECT_NE(why.find("GPUs"), std::string::npos) << why;
+  }
+}
+
+}  // namespace
+}  // namespace moe
