@@ -2,6 +2,7 @@
 # The GPU serving load test: moe-server --device cuda with a full-size random-weight preset, then
 # scripts/serve_load.py at concurrency 32 and 1, then /metrics; logs and results in $OUT.
 #   scripts/gpu_serve_load.sh BIN_DIR TOKENIZER_JSON [PRESET=qwen3-30b-a3b]
+#   SERVER_FLAGS="--tp 2 --ep 2" scripts/gpu_serve_load.sh ...     more moe-server flags (several GPUs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=$1 TOK=$2 PRESET=${3:-qwen3-30b-a3b}
@@ -9,7 +10,7 @@ OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
 port=18600
 "$BIN/moe-server" -m "presets/$PRESET" --random-weights --device cuda --tokenizer "$TOK" \
-  --port $port --max-batch 32 --ctx 1024 --max-step-tokens 512 > "$OUT/server.log" 2>&1 &
+  --port $port --max-batch 32 --ctx 1024 --max-step-tokens 512 ${SERVER_FLAGS:-} > "$OUT/server.log" 2>&1 &
 pid=$!
 python3 - "$port" <<'PY' || { echo "server did not come up"; tail -5 "$OUT/server.log"; kill $pid; exit 1; }
 import sys, time, urllib.request

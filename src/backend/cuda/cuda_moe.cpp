@@ -56,7 +56,9 @@ Layout layout(const ExpertShape& s, int64_t max_tokens) {
 }
 
 void check_shape(const ExpertShape& s, int64_t max_tokens) {
-  MOE_CHECK(s.experts >= 1 && s.hidden >= 1 && s.inter >= 1 && s.top_k >= 1 && s.top_k <= s.experts,
+  // top_k may exceed the experts held: under expert parallelism a token's k slots span every
+  // rank's experts, and a rank of fewer than k experts skips the others' slots (-1).
+  MOE_CHECK(s.experts >= 1 && s.hidden >= 1 && s.inter >= 1 && s.top_k >= 1,
             kInvalidArgument, "bad expert shape: {} experts, hidden {}, inter {}, top-{}", s.experts,
             s.hidden, s.inter, s.top_k);
   MOE_CHECK(max_tokens >= 1 && max_tokens <= h::kMaxTokens, kInvalidArgument,
