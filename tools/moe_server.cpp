@@ -17,6 +17,7 @@
 #include <thread>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
@@ -554,6 +555,7 @@ int main(int argc, char** argv) {
       std::string gpu_name = "GPU " + std::to_string(gpu->options().device);
       for (const GpuInfo& g : cuda_devices())
         if (g.index == gpu->options().device) gpu_name = g.name;
+      if (ep > 1) gpu_name = fmt::format("{} x {} (tp {}, ep {}; sums over all)", ep, gpu_name, tp, ep);
       std::fprintf(stderr, "moe-server: %s: weights %.2f GB, KV cache %lld blocks of %d tokens (%.2f GB), workspace %.2f GB\n",
                    gpu_name.c_str(), m.weights / 1e9,
                    static_cast<long long>(m.kv_blocks), gpu->options().block_size, m.kv_cache / 1e9,

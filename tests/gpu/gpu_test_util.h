@@ -27,6 +27,32 @@ inline bool have_gpu() {
 #define REQUIRE_GPU() \
   if (!::moe::gputest::have_gpu()) GTEST_SKIP() << "no CUDA device: GPU test skipped"
 
+inline int gpu_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+// Whether GPUs 0..n-1 can all access each other's memory.
+inline bool peers_reachable(int n) {
+  for (int a = 0; a < n; ++a)
+    for (int b = 0; b < n; ++b) {
+      int can = 0;
+      if (a != b && (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess || !can)) return false;
+    }
+  return true;
+}
+
+// n GPUs with peer access between them, or the test skips, saying which is missing.
+#define REQUIRE_PEER_GPUS(n)                                                                    \
+  if (::moe::gputest::gpu_count() < (n))                                                        \
+    GTEST_SKIP() << "fewer than " << (n) << " CUDA devices: multi-GPU test skipped";            \
+  if (!::moe::gputest::peers_reachable(n))                                                      \
+    GTEST_SKIP() << "no peer access between the GPUs: multi-GPU test skipped"
+
 // A device buffer that frees itself; the tests keep no raw cudaMalloc pointers.
 template <typename T>
 class DeviceBuffer {

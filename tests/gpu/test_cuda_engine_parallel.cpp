@@ -15,6 +15,7 @@
 #include "backend/cuda_engine.h"
 #include "gpu_test_util.h"
 #include "../support/fixtures.h"
+#include "../unit/test_util.h"
 #include "model/config.h"
 #include "moe/errors.h"
 
@@ -24,27 +25,7 @@ namespace {
 using test::fixture_dir;
 using test::reference;
 
-int gpu_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-
-bool peers_reachable(int n) {
-  for (int a = 0; a < n; ++a)
-    for (int b = 0; b < n; ++b) {
-      int can = 0;
-      if (a != b && (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess || !can)) return false;
-    }
-  return true;
-}
-
-#define REQUIRE_PEER_GPUS(n)                                                                   \
-  if (gpu_count() < (n)) GTEST_SKIP() << "fewer than " << (n) << " CUDA devices: multi-GPU test skipped"; \
-  if (!peers_reachable(n)) GTEST_SKIP() << "no peer access between the GPUs: multi-GPU test skipped"
+using gputest::gpu_count;
 
 // Attention splits over the GPUs unless the model's attention cannot be split (latent
 // attention, a q/k norm over every head): those run tp 1, ep n.
@@ -220,37 +201,26 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(2, 4)),
     [](const auto& info) { return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "gpus"; });
 
-ErrorKind kind_of(const std::function<void()>& f, std::string* message = nullptr) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (message) *message = e.what();
-    return e.kind();
-  }
-  ADD_FAILURE() << "no error was thrown";
-  return ErrorKind::kInternal;
-}
-
 // Refused with a one-line reason before any weight is read or any GPU is needed.
 TEST(CudaEngineParallel, RefusesSplitsItCannotRun) {
-  EXPECT_EQ(kind_of([] { cuda::engine_ranks(2, 1); }), ErrorKind::kUnsupported) << "tp without ep";
-  EXPECT_EQ(kind_of([] { cuda::engine_ranks(2, 4); }), ErrorKind::kUnsupported) << "tp neither 1 nor ep";
-  EXPECT_EQ(kind_of([] { cuda::engine_ranks(0, 1); }), ErrorKind::kInvalidArgument);
+  EXPECT_EQ(test::error_kind_of([] { cuda::engine_ranks(2, 1); }), ErrorKind::kUnsupported) << "tp without ep";
+  EXPECT_EQ(test::error_kind_of([] { cuda::engine_ranks(2, 4); }), ErrorKind::kUnsupported) << "tp neither 1 nor ep";
+  EXPECT_EQ(test::error_kind_of([] { cuda::engine_ranks(0, 1); }), ErrorKind::kInvalidArgument);
   EXPECT_EQ(cuda::engine_ranks(1, 3), 3);
   std::string why;
-  EXPECT_EQ(kind_of([] { load(fixture_dir("deepseek_v2_f32"), 2, 2); }, &why), ErrorKind::kUnsupported);
+  EXPECT_EQ(test::error_kind_of([] { load(fixture_dir("deepseek_v2_f32"), 2, 2); }, &why), ErrorKind::kUnsupported);
   EXPECT_NE(why.find("latent attention"), std::string::npos) << why;
-  EXPECT_EQ(kind_of([] { load(fixture_dir("olmoe_f32"), 2, 2); }, &why), ErrorKind::kUnsupported);
+  EXPECT_EQ(test::error_kind_of([] { load(fixture_dir("olmoe_f32"), 2, 2); }, &why), ErrorKind::kUnsupported);
   EXPECT_NE(why.find("q/k norm"), std::string::npos) << why;
-  EXPECT_EQ(kind_of([] { load(fixture_dir("qwen3_moe_f32"), 3, 3); }, &why), ErrorKind::kUnsupported);
+  EXPECT_EQ(test::error_kind_of([] { load(fixture_dir("qwen3_moe_f32"), 3, 3); }, &why), ErrorKind::kUnsupported);
   EXPECT_NE(why.find("do not split"), std::string::npos) << why;
-  EXPECT_EQ(kind_of([] { load(fixture_dir("qwen3_moe_f32"), 1, 9); }, &why), ErrorKind::kInvalidArgument)
+  EXPECT_EQ(test::error_kind_of([] { load(fixture_dir("qwen3_moe_f32"), 1, 9); }, &why), ErrorKind::kInvalidArgument)
       << "9 ranks for 8 experts";
-  EXPECT_EQ(kind_of([] { load(fixture_dir("qwen3_dense_f32"), 1, 2); }, &why), ErrorKind::kInvalidArgument)
+  EXPECT_EQ(test::error_kind_of([] { load(fixture_dir("qwen3_dense_f32"), 1, 2); }, &why), ErrorKind::kInvalidArgument)
       << "expert parallelism without experts";
   const int too_many = std::clamp(gpu_count() + 1, 2, 16);
   if (gpu_count() < 16) {
-    EXPECT_EQ(kind_of([&] { load(fixture_dir("qwen3_moe_bf16"), 1, too_many); }, &why), ErrorKind::kUnsupported);
+    EXPECT_EQ(test::error_kind_of([&] { load(fixture_dir("qwen3_moe_bf16"), 1, too_many); }, &why), ErrorKind::kUnsupported);
     EXPECT_NE(why.find("GPUs"), std::string::npos) << why;
   }
 }

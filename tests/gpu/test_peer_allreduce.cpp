@@ -19,27 +19,6 @@ namespace {
 
 using gputest::DeviceBuffer;
 
-int gpu_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-
-#define REQUIRE_GPUS(n) \
-  if (gpu_count() < (n)) GTEST_SKIP() << "fewer than " << (n) << " CUDA devices: multi-GPU test skipped"
-
-bool peers_reachable(int n) {
-  for (int a = 0; a < n; ++a)
-    for (int b = 0; b < n; ++b) {
-      int can = 0;
-      if (a != b && (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess || !can)) return false;
-    }
-  return true;
-}
-
 std::vector<int> first_devices(int n) {
   std::vector<int> d;
   for (int i = 0; i < n; ++i) d.push_back(i);
@@ -61,8 +40,7 @@ class PeerAllReduceTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(PeerAllReduceTest, EveryRankGetsTheRankOrderSumForEverySize) {
   const int n = GetParam();
-  REQUIRE_GPUS(n);
-  if (!peers_reachable(n)) GTEST_SKIP() << "no peer access between the GPUs";
+  REQUIRE_PEER_GPUS(n);
   const int64_t max_elements = 2048 * 96;
   cuda::PeerAllReduce ar(first_devices(n), max_elements);
   std::vector<cudaStream_t> streams(static_cast<size_t>(n));
@@ -109,8 +87,7 @@ TEST_P(PeerAllReduceTest, EveryRankGetsTheRankOrderSumForEverySize) {
 // epoch from device memory, so replays keep the ranks in step.
 TEST_P(PeerAllReduceTest, GraphReplaysSumNewData) {
   const int n = GetParam();
-  REQUIRE_GPUS(n);
-  if (!peers_reachable(n)) GTEST_SKIP() << "no peer access between the GPUs";
+  REQUIRE_PEER_GPUS(n);
   const int64_t elements = 2048 * 8;
   cuda::PeerAllReduce ar(first_devices(n), elements);
   std::vector<cudaStream_t> streams(static_cast<size_t>(n));
@@ -164,8 +141,7 @@ TEST_P(PeerAllReduceTest, GraphReplaysSumNewData) {
 // is reduced in another order on the host), the partial rows left untouched.
 TEST_P(PeerAllReduceTest, FoldedResidualAddAndNormMatchTheHost) {
   const int n = GetParam();
-  REQUIRE_GPUS(n);
-  if (!peers_reachable(n)) GTEST_SKIP() << "no peer access between the GPUs";
+  REQUIRE_PEER_GPUS(n);
   const int64_t hidden = 2048, max_rows = 70;
   cuda::PeerAllReduce ar(first_devices(n), max_rows * hidden);
   RankThreads threads(n);
@@ -220,8 +196,7 @@ INSTANTIATE_TEST_SUITE_P(Gpus, PeerAllReduceTest, ::testing::Values(2, 4));
 
 // Rank 1 never calls: rank 0's wait gives up after its timeout and check() names the peer.
 TEST(PeerAllReduce, AMissingRankIsReportedNotAwaitedForever) {
-  REQUIRE_GPUS(2);
-  if (!peers_reachable(2)) GTEST_SKIP() << "no peer access between the GPUs";
+  REQUIRE_PEER_GPUS(2);
   cuda::PeerAllReduce ar({0, 1}, 1024, 0.2);
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   DeviceBuffer<uint16_t> buf(1024);

@@ -59,20 +59,7 @@ void check_devices(const std::vector<int>& devices) {
 }  // namespace
 
 bool peer_access_available(const std::vector<int>& devices, std::string* why) {
-  for (int a : devices)
-    for (int b : devices) {
-      if (a == b) continue;
-      int can = 0;
-      if (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess) {
-        cudaGetLastError();
-        can = 0;
-      }
-      if (!can) {
-        if (why) *why = "GPU " + std::to_string(a) + " cannot access the memory of GPU " + std::to_string(b);
-        return false;
-      }
-    }
-  return true;
+  return peers_can_access(devices, why);
 }
 
 // One rank's part of the exchange, on its GPU. Peers write recv_* (their rows for this rank's

@@ -7,12 +7,31 @@
 
 #include <mutex>
 #include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
 
 namespace moe::cuda {
+
+// Whether every pair of `devices` can access each other's memory; *why names a pair that cannot.
+inline bool peers_can_access(const std::vector<int>& devices, std::string* why = nullptr) {
+  for (int a : devices)
+    for (int b : devices) {
+      if (a == b) continue;
+      int can = 0;
+      if (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess) {
+        cudaGetLastError();
+        can = 0;
+      }
+      if (!can) {
+        if (why) *why = "GPU " + std::to_string(a) + " cannot access the memory of GPU " + std::to_string(b);
+        return false;
+      }
+    }
+  return true;
+}
 
 // Lets every device of `devices` access the memory of every other one; leaves device
 // devices.back() current. The caller has checked cudaDeviceCanAccessPeer.

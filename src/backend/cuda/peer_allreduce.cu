@@ -199,17 +199,8 @@ PeerAllReduce::PeerAllReduce(const std::vector<int>& devices, int64_t max_elemen
   MOE_CHECK(max_elements >= 8 && max_elements % 8 == 0 && timeout_s > 0, kInvalidArgument,
             "all-reduce: max elements {} (a positive multiple of 8), timeout {} s (> 0)", max_elements,
             timeout_s);
-  for (int a : devices)
-    for (int b : devices) {
-      if (a == b) continue;
-      int can = 0;
-      if (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess) {
-        cudaGetLastError();
-        can = 0;
-      }
-      MOE_CHECK(can, kUnsupported, "running on several GPUs needs peer access: GPU {} cannot access the memory of GPU {}",
-                a, b);
-    }
+  std::string why;
+  MOE_CHECK(peers_can_access(devices, &why), kUnsupported, "running on several GPUs needs peer access: {}", why);
   max_elements_ = max_elements;
   timeout_ns_ = static_cast<long long>(timeout_s * 1e9);
   const size_t inbox = align_up(2 * static_cast<size_t>(n) * static_cast<size_t>(max_elements) * 2);
