@@ -40,6 +40,8 @@ struct EngineOptions {
   // into the routed experts' combine). Same results up to f32 summation order; off runs every
   // operation as its own kernel, for comparisons.
   bool fuse = true;
+  // Keep full KV blocks findable by their token prefix so that reuse_prefix() can share them.
+  bool prefix_reuse = true;
   // Several GPUs of this machine: devices device .. device + max(tp, ep) - 1, one host thread
   // each, in lockstep. ep > 1: each GPU holds 1/ep of every layer's routed experts, runs them on
   // every token and the partial outputs are summed across GPUs. tp (1 or ep): each GPU also
@@ -66,6 +68,7 @@ struct MemoryReport {
   size_t workspace = 0;  // activations of the largest step, expert and attention scratch, cuBLASLt
   size_t graph_outputs = 0;  // logits and token buffers each decode graph owns
   int64_t kv_blocks = 0, kv_blocks_free = 0;
+  int64_t kv_blocks_cached = 0;  // full blocks findable for prefix reuse (in use or free)
 };
 
 // Device time of one decode step by operation, summed over layers (events between the
@@ -94,6 +97,12 @@ class Engine {
   // Frees the sequence's KV blocks.
   void close_sequence(int32_t seq);
   int64_t length(int32_t seq) const;
+  // Prefix reuse: gives the empty sequence `seq` the cached blocks that hold `tokens`' leading
+  // full blocks (computed for any sequence, open or closed since and not yet reused), as shared
+  // references; returns the tokens it now holds (a multiple of the block size, never all of
+  // `tokens`: the last one is left to compute). The caller prefills from there. 0 with
+  // prefix_reuse off.
+  int64_t reuse_prefix(int32_t seq, std::span<const int32_t> tokens);
 
   // Runs `ids` after the sequence's cached tokens and samples its next token on the device.
   // logits (when given): f32 on the host, [ids.size(), vocab] when all_logits, else [1, vocab].

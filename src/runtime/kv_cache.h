@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "moe/tensor.h"
+#include "runtime/block_allocator.h"
 
 namespace moe {
 
@@ -44,41 +45,24 @@ class KvBlockPool {
   size_t block_bytes() const;  // keys and values of one block over all layers
   size_t bytes() const;
 
-  // A block with one reference, or -1 when every block is referenced. Reuses the least recently
-  // freed block, dropping the prefix entry it may still carry.
-  int32_t allocate();
-  void retain(int32_t block);
-  // Drops one reference; at zero the block becomes free (and stays findable if published).
-  void release(int32_t block);
-  int32_t ref_count(int32_t block) const;
-  int64_t used_blocks() const { return num_blocks_ - static_cast<int64_t>(free_.size()); }
-  int64_t free_blocks() const { return static_cast<int64_t>(free_.size()); }
-  // Published blocks that are still findable (in use or free).
-  int64_t cached_blocks() const { return static_cast<int64_t>(index_.size()); }
-
-  // The prefix key of a block: `parent` is the key of the block before it (0 for the first),
-  // `tokens` its block_size token ids.
-  static uint64_t chain_hash(uint64_t parent, std::span<const int32_t> tokens);
-  // Makes a full block findable under `hash`. When another block already holds that hash the
-  // call does nothing: the older copy stays the shared one.
-  void publish(int32_t block, uint64_t hash, std::span<const int32_t> tokens);
-  // The block published under `hash` with exactly these tokens, with one more reference; -1
-  // when there is none. The token comparison makes a hash collision a miss, not wrong keys.
-  int32_t acquire_cached(uint64_t hash, std::span<const int32_t> tokens);
+  // The bookkeeping (BlockAllocator): references, the free list and published prefix blocks.
+  int32_t allocate() { return blocks_.allocate(); }
+  void retain(int32_t block) { blocks_.retain(block); }
+  void release(int32_t block) { blocks_.release(block); }
+  int32_t ref_count(int32_t block) const { return blocks_.ref_count(block); }
+  int64_t used_blocks() const { return blocks_.used_blocks(); }
+  int64_t free_blocks() const { return blocks_.free_blocks(); }
+  int64_t cached_blocks() const { return blocks_.cached_blocks(); }
+  static uint64_t chain_hash(uint64_t parent, std::span<const int32_t> tokens) {
+    return BlockAllocator::chain_hash(parent, tokens);
+  }
+  void publish(int32_t block, uint64_t hash, std::span<const int32_t> tokens) { blocks_.publish(block, hash, tokens); }
+  int32_t acquire_cached(uint64_t hash, std::span<const int32_t> tokens) { return blocks_.acquire_cached(hash, tokens); }
 
  private:
-  void check_block(int32_t block) const;
-  void unpublish(int32_t block);
-
   int64_t layers_, num_blocks_, block_size_, k_width_, v_width_;
+  BlockAllocator blocks_;
   std::vector<Tensor> k_, v_;  // per layer: [num_blocks * block_size, width]
-  std::vector<int32_t> refs_;
-  std::list<int32_t> free_;  // least recently freed first
-  std::vector<std::list<int32_t>::iterator> free_pos_;
-  std::unordered_map<uint64_t, int32_t> index_;  // prefix hash -> block
-  std::vector<uint64_t> hash_of_;
-  std::vector<bool> published_;
-  std::vector<int32_t> block_tokens_;  // [num_blocks, block_size]: what each published block holds
 };
 
 class KvCache {

@@ -170,9 +170,13 @@ std::vector<Event> GpuScheduler::step() {
     const int64_t n = std::min(r->remaining(), budget);
     if (blocks_for(*r, std::min<int64_t>(n, block_size_)) > free_blocks()) break;
     r->seq = engine_.open_sequence();
+    if (config_.prefix_reuse) {
+      r->fed = engine_.reuse_prefix(r->seq, r->tokens);
+      stats_.prefix_hit_tokens += r->fed;
+    }
     waiting_.pop_front();
     running_.push_back(r);
-    prefill(r, n);
+    prefill(r, std::min(r->remaining(), budget));
   }
 
   for (Request* r : done) {
@@ -187,7 +191,9 @@ SchedulerStats GpuScheduler::stats() const {
   SchedulerStats s = stats_;
   s.waiting = static_cast<int64_t>(waiting_.size());
   s.running = static_cast<int64_t>(running_.size());
-  s.blocks_used = stats_.blocks_total - engine_.memory().kv_blocks_free;
+  const cuda::MemoryReport m = engine_.memory();
+  s.blocks_used = stats_.blocks_total - m.kv_blocks_free;
+  s.blocks_cached = m.kv_blocks_cached;
   return s;
 }
 

@@ -9,7 +9,9 @@
 // recomputed from its prompt and the tokens it already generated), so running out of blocks
 // delays requests instead of failing them. Sampling runs on the device with each request's
 // parameters; greedy output is the same as the request run alone. (Sampled output is seeded per
-// request but, unlike the CPU scheduler's, not independent of chunking and preemption.)
+// request but, unlike the CPU scheduler's, not independent of chunking and preemption.) Full
+// prompt blocks are shared: a request whose leading blocks another already computed starts after
+// them.
 //
 // Not thread-safe: one thread calls submit, cancel and step.
 #pragma once
@@ -28,6 +30,9 @@ namespace moe::serve {
 struct GpuSchedulerConfig {
   int64_t max_step_tokens = 256;  // tokens one step computes: decodes, then prompt chunks
   int64_t max_context = 0;        // prompt + max_tokens limit; 0: the engine's context
+  // A new (or preempted) request starts from the cached blocks of its longest prefix another
+  // request computed (Engine::reuse_prefix); with the engine's prefix_reuse on.
+  bool prefix_reuse = true;
 };
 
 class GpuScheduler final : public Batcher {

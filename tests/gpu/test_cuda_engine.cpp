@@ -7,6 +7,7 @@
 #include <cmath>
 #include <functional>
 #include <fstream>
+#include <random>
 
 #include <nlohmann/json.hpp>
 
@@ -335,6 +336,62 @@ TEST(CudaEngine, BadInputIsRejectedAndTheEngineKeepsWorking) {
   EXPECT_GT(m.weights, 0u);
   EXPECT_GT(m.kv_cache, 0u);
   EXPECT_LT(m.kv_blocks_free, m.kv_blocks);
+}
+
+// A sequence that takes two cached 16-token blocks of an earlier one (closed, or still open and
+// sharing them) computes the rest and gets the logits of recomputing everything, within the bf16
+// bound (only the rows per forward differ), and the same token where the choice is clear; the
+// shared blocks return to the free list once both sequences are closed.
+TEST(CudaEngine, PrefixReuseMatchesRecompute) {
+  REQUIRE_GPU();
+  const std::string dir = fixture_dir("qwen3_moe_f32");
+  auto engine = load(dir, true, 2);
+  const int64_t vocab = engine->config().vocab_size;
+  std::mt19937 rng(4);
+  std::vector<int32_t> prompt(45);
+  for (auto& t : prompt) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
+  const std::vector<int32_t> head(prompt.begin(), prompt.begin() + 40);
+
+  cuda::EngineOptions off;
+  off.max_batch = 2;
+  off.max_context = 128;
+  off.prefix_reuse = false;
+  auto plain = cuda::Engine::load(dir, off);
+  Tensor want;
+  const int32_t p = plain->open_sequence();
+  const int32_t want_next = plain->prefill(p, prompt, SamplingParams{}, &want);
+  EXPECT_EQ(plain->reuse_prefix(plain->open_sequence(), prompt), 0) << "reuse with prefix_reuse off";
+
+  const int64_t free_before = engine->memory().kv_blocks_free;
+  const int32_t a = engine->open_sequence();
+  engine->prefill(a, head, SamplingParams{});
+  EXPECT_GE(engine->memory().kv_blocks_cached, 2);
+  for (bool a_open : {true, false}) {
+    if (!a_open) engine->close_sequence(a);
+    const int32_t b = engine->open_sequence();
+    ASSERT_EQ(engine->reuse_prefix(b, prompt), 32) << (a_open ? "shared with an open sequence" : "after it closed");
+    EXPECT_EQ(engine->length(b), 32);
+    Tensor got;
+    const std::vector<int32_t> rest(prompt.begin() + 32, prompt.end());
+    const int32_t next = engine->prefill(b, rest, SamplingParams{}, &got);
+    double diff = 0, scale = 0;
+    std::vector<float> sorted(want.data<float>(), want.data<float>() + vocab);
+    for (int64_t v = 0; v < vocab; ++v) {
+      diff = std::max(diff, std::fabs(static_cast<double>(got.data<float>()[v]) - want.data<float>()[v]));
+      scale = std::max(scale, std::fabs(static_cast<double>(want.data<float>()[v])));
+    }
+    EXPECT_LE(diff, logit_bound(scale));
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+    if (sorted[0] - sorted[1] > 3 * diff) {
+      EXPECT_EQ(next, want_next);
+    }
+    engine->close_sequence(b);
+  }
+  EXPECT_EQ(engine->memory().kv_blocks_free, free_before) << "blocks left referenced";
+  // A sequence that already holds tokens cannot take a prefix.
+  const int32_t c = engine->open_sequence();
+  engine->prefill(c, head, SamplingParams{});
+  EXPECT_THROW(engine->reuse_prefix(c, prompt), Error);
 }
 
 }  // namespace

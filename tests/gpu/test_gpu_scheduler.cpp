@@ -56,6 +56,15 @@ void drain(GpuScheduler& s, Outcome& out, int max_steps = 10000) {
   EXPECT_FALSE(s.busy()) << "requests still pending after " << max_steps << " steps";
 }
 
+// Token-for-token comparisons run without prefix reuse: a request that starts after cached blocks
+// computes its other rows in another chunk, and the fixture's near-ties flip under the different
+// bf16 rounding (reuse itself is checked against the bf16 bound in CudaEngine.PrefixReuse*).
+GpuSchedulerConfig no_reuse(int64_t max_step_tokens) {
+  GpuSchedulerConfig c{max_step_tokens, 0};
+  c.prefix_reuse = false;
+  return c;
+}
+
 RequestOptions greedy(int64_t max_tokens) {
   RequestOptions o;
   o.max_tokens = max_tokens;
@@ -65,7 +74,7 @@ RequestOptions greedy(int64_t max_tokens) {
 std::vector<std::vector<int32_t>> alone(cuda::Engine& engine, const std::vector<std::vector<int32_t>>& ps,
                                         int64_t max_tokens) {
   std::vector<std::vector<int32_t>> out;
-  GpuScheduler s(engine, GpuSchedulerConfig{256, 0});
+  GpuScheduler s(engine, no_reuse(256));
   for (const auto& p : ps) {
     Outcome o;
     const uint64_t id = s.submit(p, greedy(max_tokens));
@@ -80,7 +89,7 @@ TEST(GpuScheduler, ConcurrentRequestsMatchEachAlone) {
   auto engine = load(4, 0);
   const auto ps = prompts(9, engine->config().vocab_size);
   const auto want = alone(*engine, ps, 12);
-  GpuScheduler s(*engine, GpuSchedulerConfig{256, 0});
+  GpuScheduler s(*engine, no_reuse(256));
   std::vector<uint64_t> ids;
   for (const auto& p : ps) ids.push_back(s.submit(p, greedy(12)));
   Outcome got;
@@ -103,7 +112,7 @@ TEST(GpuScheduler, PreemptsWhenBlocksRunOutAndCompletesEveryRequest) {
   auto ps = prompts(4, engine->config().vocab_size);
   for (auto& p : ps) p.resize(30, 7);
   const auto want = alone(*engine, ps, 40);
-  GpuScheduler s(*engine, GpuSchedulerConfig{64, 0});
+  GpuScheduler s(*engine, no_reuse(64));
   std::vector<uint64_t> ids;
   for (const auto& p : ps) ids.push_back(s.submit(p, greedy(40)));
   Outcome got;
@@ -123,7 +132,7 @@ TEST(GpuScheduler, CancelFreesTheSequenceAndOthersContinue) {
   auto engine = load(4, 0);
   const auto ps = prompts(3, engine->config().vocab_size);
   const auto want = alone(*engine, ps, 20);
-  GpuScheduler s(*engine, GpuSchedulerConfig{256, 0});
+  GpuScheduler s(*engine, no_reuse(256));
   std::vector<uint64_t> ids;
   for (const auto& p : ps) ids.push_back(s.submit(p, greedy(20)));
   Outcome got;
@@ -143,7 +152,7 @@ TEST(GpuScheduler, CancelFreesTheSequenceAndOthersContinue) {
 TEST(GpuScheduler, RefusesRequestsThatCannotRun) {
   REQUIRE_GPU();
   auto engine = load(2, 0);
-  GpuScheduler s(*engine, GpuSchedulerConfig{256, 0});
+  GpuScheduler s(*engine, no_reuse(256));
   auto kind = [&](std::vector<int32_t> p, RequestOptions o) {
     try {
       s.submit(std::move(p), o);
@@ -162,6 +171,45 @@ TEST(GpuScheduler, RefusesRequestsThatCannotRun) {
   EXPECT_EQ(kind({1, 2}, strings), ErrorKind::kInvalidArgument) << "stop strings without a tokenizer";
   EXPECT_FALSE(s.busy());
   EXPECT_THROW(GpuScheduler(*engine, GpuSchedulerConfig{1, 0}), Error) << "budget below max_batch";
+}
+
+// Requests that share a 40-token prompt prefix, on a fresh engine: once the first has run, each
+// later one starts after the two shared 16-token blocks (prefix_hit_tokens counts them), every
+// request still gets its tokens, and no block stays in use. Then the same without reuse. (The tokens themselves are compared with recomputation
+// in CudaEngine.PrefixReuseMatchesRecompute, where the bf16 bound applies.)
+TEST(GpuScheduler, SharedPromptPrefixesAreReused) {
+  REQUIRE_GPU();
+  auto engine = load(4, 0);
+  const auto vocab = static_cast<uint32_t>(engine->config().vocab_size);
+  std::mt19937 rng(9);
+  std::vector<int32_t> shared(40);
+  for (auto& t : shared) t = static_cast<int32_t>(rng() % vocab);
+  std::vector<std::vector<int32_t>> ps;
+  for (int i = 0; i < 4; ++i) {
+    auto p = shared;
+    for (int j = 0; j < 3 + i; ++j) p.push_back(static_cast<int32_t>(rng() % vocab));
+    ps.push_back(p);
+  }
+  ps.push_back(shared);  // the prefix alone: its last token is still computed
+  for (bool reuse : {true, false}) {
+    GpuSchedulerConfig c{256, 0};
+    c.prefix_reuse = reuse;
+    GpuScheduler s(*engine, c);
+    Outcome o;
+    std::vector<uint64_t> ids{s.submit(ps[0], greedy(6))};
+    drain(s, o);
+    for (size_t i = 1; i < ps.size(); ++i) ids.push_back(s.submit(ps[i], greedy(6)));
+    drain(s, o);
+    for (uint64_t id : ids) {
+      EXPECT_EQ(o.tokens[id].size(), 6u) << "request " << id << (reuse ? " with" : " without") << " reuse";
+      EXPECT_EQ(o.finish[id], FinishReason::kLength);
+    }
+    EXPECT_EQ(s.stats().prefix_hit_tokens, reuse ? 32 * 4 : 0);
+    EXPECT_EQ(s.stats().blocks_used, 0);
+    if (reuse) {
+      EXPECT_GE(s.stats().blocks_cached, 2);
+    }
+  }
 }
 
 }  // namespace

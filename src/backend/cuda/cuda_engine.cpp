@@ -15,6 +15,7 @@
 #include "backend/cuda/router_params.h"
 #include "core/rank_threads.h"
 #include "moe/errors.h"
+#include "runtime/block_allocator.h"
 
 namespace moe::cuda {
 namespace {
@@ -122,6 +123,11 @@ struct Sequence {
   int64_t length = 0;
   int64_t draws = 0;  // tokens sampled so far: the RNG step of the next draw
   std::vector<int32_t> blocks;
+  // Prefix reuse: the tokens whose keys and values the cache holds, how many of its full blocks
+  // are published, and the chain key of the last of them.
+  std::vector<int32_t> tokens;
+  int64_t published = 0;
+  uint64_t last_key = 0;
 };
 
 struct DecodeGraph {
@@ -146,7 +152,9 @@ struct Engine::State {
   int64_t max_tokens = 0, max_blocks = 0, logit_rows = 0;
   int64_t kv_blocks = 0;
   std::vector<uint16_t*> k_cache, v_cache;
-  std::vector<int32_t> free_blocks;
+  // Blocks 1 .. kv_blocks - 1 as allocator blocks 0 .. kv_blocks - 2 (block 0 is the scratch
+  // block of padding rows); rank 0's, for every rank.
+  std::unique_ptr<BlockAllocator> blocks;
   std::vector<Sequence> seqs;
   std::vector<DecodeGraph> graphs;
   std::vector<int> buckets;
@@ -356,8 +364,23 @@ struct Engine::State {
   }
   void grow(Sequence& s, int64_t new_length) {
     for (int64_t n = blocks_needed(s, new_length); n > 0; --n) {
-      s.blocks.push_back(free_blocks.back());
-      free_blocks.pop_back();
+      const int32_t b = blocks->allocate();
+      MOE_CHECK(b >= 0, kInternal, "KV block allocation failed after the free count was checked");
+      s.blocks.push_back(b + 1);
+    }
+  }
+  int64_t free_blocks() const { return blocks->free_blocks(); }
+
+  // Records the tokens just cached and publishes the sequence's newly full blocks.
+  void cached(Sequence& s, std::span<const int32_t> ids) {
+    s.tokens.insert(s.tokens.end(), ids.begin(), ids.end());
+    if (!opts.prefix_reuse) return;
+    const int64_t bs = opts.block_size;
+    for (; s.published < s.length / bs; ++s.published) {
+      const auto block = std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(s.published * bs),
+                                                                    static_cast<size_t>(bs));
+      s.last_key = BlockAllocator::chain_hash(s.last_key, block);
+      blocks->publish(s.blocks[static_cast<size_t>(s.published)] - 1, s.last_key, block);
     }
   }
   void write_table(int row, const Sequence* s) {
@@ -818,7 +841,7 @@ std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions
   MOE_CHECK(blocks >= 2, kInvalidArgument, "GPU memory: no room for the KV cache ({} blocks)", blocks);
   s.each_rank([&](State& x) { x.allocate_kv(blocks); });
   if (o.record_routing) s.allocate_routing_log();
-  for (int64_t b = blocks - 1; b >= 1; --b) s.free_blocks.push_back(static_cast<int32_t>(b));
+  s.blocks = std::make_unique<BlockAllocator>(blocks - 1, o.block_size);
   return engine;
 }
 
@@ -844,7 +867,7 @@ void Engine::close_sequence(int32_t seq) {
   MOE_CHECK(seq >= 0 && static_cast<size_t>(seq) < s.seqs.size() && s.seqs[static_cast<size_t>(seq)].open,
             kInvalidArgument, "sequence {} is not open", seq);
   Sequence& q = s.seqs[static_cast<size_t>(seq)];
-  s.free_blocks.insert(s.free_blocks.end(), q.blocks.rbegin(), q.blocks.rend());
+  for (int32_t b : q.blocks) s.blocks->release(b - 1);
   q = Sequence{};
 }
 
@@ -853,6 +876,32 @@ int64_t Engine::length(int32_t seq) const {
   MOE_CHECK(seq >= 0 && static_cast<size_t>(seq) < s.seqs.size() && s.seqs[static_cast<size_t>(seq)].open,
             kInvalidArgument, "sequence {} is not open", seq);
   return s.seqs[static_cast<size_t>(seq)].length;
+}
+
+int64_t Engine::reuse_prefix(int32_t seq, std::span<const int32_t> tokens) {
+  State& s = *s_;
+  MOE_CHECK(seq >= 0 && static_cast<size_t>(seq) < s.seqs.size() && s.seqs[static_cast<size_t>(seq)].open,
+            kInvalidArgument, "sequence {} is not open", seq);
+  Sequence& q = s.seqs[static_cast<size_t>(seq)];
+  MOE_CHECK(q.length == 0, kInvalidArgument, "prefix reuse needs an empty sequence; sequence {} holds {} tokens",
+            seq, q.length);
+  if (!s.opts.prefix_reuse || tokens.empty()) return 0;
+  // At least the last token stays to compute: the next token is sampled from its logits, and
+  // the block it lands in must be the sequence's own to write.
+  const int64_t bs = s.opts.block_size;
+  const int64_t reusable = std::min<int64_t>((static_cast<int64_t>(tokens.size()) - 1) / bs, s.max_blocks);
+  for (int64_t i = 0; i < reusable; ++i) {
+    const auto block = tokens.subspan(static_cast<size_t>(i * bs), static_cast<size_t>(bs));
+    const uint64_t key = BlockAllocator::chain_hash(q.last_key, block);
+    const int32_t b = s.blocks->acquire_cached(key, block);
+    if (b < 0) break;
+    q.blocks.push_back(b + 1);
+    q.last_key = key;
+    ++q.published;
+  }
+  q.length = q.published * bs;
+  q.tokens.assign(tokens.begin(), tokens.begin() + q.length);
+  return q.length;
 }
 
 int32_t Engine::prefill(int32_t seq, std::span<const int32_t> ids, const SamplingParams& params,
@@ -871,8 +920,8 @@ int32_t Engine::prefill(int32_t seq, std::span<const int32_t> ids, const Samplin
               "token id {} is outside the vocabulary [0, {})", id, c.vocab_size);
   MOE_CHECK(q.length + n <= s.opts.max_context, kInvalidArgument,
             "context full: {} cached + {} new tokens exceed the context of {}", q.length, n, s.opts.max_context);
-  MOE_CHECK(s.blocks_needed(q, q.length + n) <= static_cast<int64_t>(s.free_blocks.size()), kInvalidArgument,
-            "KV cache full: {} more blocks needed, {} free", s.blocks_needed(q, q.length + n), s.free_blocks.size());
+  MOE_CHECK(s.blocks_needed(q, q.length + n) <= s.free_blocks(), kInvalidArgument,
+            "KV cache full: {} more blocks needed, {} free", s.blocks_needed(q, q.length + n), s.free_blocks());
   s.grow(q, q.length + n);
   if (logits) *logits = Tensor::zeros({all_logits ? n : 1, c.vocab_size});
   const int64_t start = q.length;
@@ -924,6 +973,7 @@ int32_t Engine::prefill(int32_t seq, std::span<const int32_t> ids, const Samplin
                               cudaMemcpyDeviceToHost));
   q.length += n;
   ++q.draws;
+  s.cached(q, ids);
   return next;
 }
 
@@ -952,8 +1002,8 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
               "context full: sequence {} holds {} tokens, the context is {}", id, q.length, s.opts.max_context);
     blocks += s.blocks_needed(q, q.length + 1);
   }
-  MOE_CHECK(blocks <= static_cast<int64_t>(s.free_blocks.size()), kInvalidArgument,
-            "KV cache full: {} more blocks needed, {} free", blocks, s.free_blocks.size());
+  MOE_CHECK(blocks <= s.free_blocks(), kInvalidArgument, "KV cache full: {} more blocks needed, {} free",
+            blocks, s.free_blocks());
   int bucket = s.buckets.back();
   for (int candidate : s.buckets)
     if (candidate >= b) {
@@ -1007,6 +1057,7 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
     Sequence& q = s.seqs[static_cast<size_t>(seqs[static_cast<size_t>(i)])];
     ++q.length;
     ++q.draws;
+    s.cached(q, tokens.subspan(static_cast<size_t>(i), 1));
   }
   if (profile) {
     s.collect(profile);
@@ -1056,7 +1107,8 @@ MemoryReport Engine::memory() const {
   for (const auto& x : s.others) add(*x);
   if (s.allreduce) r.workspace += s.allreduce->bytes_per_rank() * static_cast<size_t>(s.ranks);
   r.kv_blocks = s.kv_blocks;
-  r.kv_blocks_free = static_cast<int64_t>(s.free_blocks.size());
+  r.kv_blocks_free = s.free_blocks();
+  r.kv_blocks_cached = s.blocks->cached_blocks();
   return r;
 }
 

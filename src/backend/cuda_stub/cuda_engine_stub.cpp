@@ -17,6 +17,7 @@ const EngineOptions& Engine::options() const { MOE_THROW(kInternal, "no CUDA eng
 int32_t Engine::open_sequence() { MOE_THROW(kInternal, "no CUDA engine"); }
 void Engine::close_sequence(int32_t) {}
 int64_t Engine::length(int32_t) const { return 0; }
+int64_t Engine::reuse_prefix(int32_t, std::span<const int32_t>) { MOE_THROW(kInternal, "no CUDA engine"); }
 int32_t Engine::prefill(int32_t, std::span<const int32_t>, const SamplingParams&, Tensor*, bool, OpProfile*) {
   MOE_THROW(kInternal, "no CUDA engine");
 }
