@@ -60,10 +60,7 @@ struct DecodeRun {
 };
 
 int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
-  MOE_CHECK(a.ep_backend == "local_allreduce", kUnsupported,
-            "--device cuda: the engine sums its GPUs' partial outputs with its own peer all-reduce (the "
-            "local_allreduce scheme); --ep-backend {} is for the CPU engine and moe-bench layer",
-            a.ep_backend);
+  cuda::check_engine_ep_backend(a.ep_backend);
   std::vector<int> batches = a.batches.empty() ? std::vector<int>{a.batch} : a.batches;
   for (int b : batches) MOE_CHECK(b >= 1, kInvalidArgument, "batch sizes must be >= 1, got {}", b);
   MOE_CHECK(a.prefill_len >= 0, kInvalidArgument, "--prefill-len must be >= 0");

@@ -47,10 +47,7 @@ struct Common {
       MOE_CHECK(tp == 1, kUnsupported, "--tp {}: tensor-parallel attention runs on GPUs only (--device cuda)", tp);
       return false;
     }
-    MOE_CHECK(ep_backend == "local_allreduce", kUnsupported,
-              "--device cuda: the engine sums its GPUs' partial outputs with its own peer all-reduce "
-              "(the local_allreduce scheme); --ep-backend {} is for the CPU engine and moe-bench layer",
-              ep_backend);
+    cuda::check_engine_ep_backend(ep_backend);
     MOE_CHECK(!expert_stats, kUnsupported, "--expert-stats is CPU-only so far");
     return true;
   }

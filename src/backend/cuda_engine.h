@@ -61,6 +61,15 @@ inline int engine_ranks(int tp, int ep) {
   return ep;
 }
 
+// The engine sums its GPUs' partial outputs with its own peer all-reduce (the local_allreduce
+// scheme); the other backend names are for the CPU engine and moe-bench layer.
+inline void check_engine_ep_backend(const std::string& name) {
+  MOE_CHECK(name == "local_allreduce", kUnsupported,
+            "--device cuda: the engine sums its GPUs' partial outputs with its own peer all-reduce (the "
+            "local_allreduce scheme); --ep-backend {} is for the CPU engine and moe-bench layer",
+            name);
+}
+
 // Device bytes by what holds them, summed over the engine's GPUs.
 struct MemoryReport {
   size_t weights = 0;    // bf16 matrices and f32 norms/biases

@@ -101,6 +101,7 @@ expect bench_model_bad_device "expected cpu or cuda" -- "$bench" model --preset 
 expect bench_model_bad_batches "batch sizes must be >= 1" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --batches 1,0
 expect bench_model_tp_on_cpu "runs on GPUs only" -- "$bench" model --preset qwen3-moe-mid --random-weights --tp 2
 expect bench_model_cuda_tp_without_ep "runs over the expert-parallel GPUs" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --tp 2
+expect bench_model_cuda_ep_backend "--ep-backend alltoall_packed is for the CPU engine" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --ep 2 --ep-backend alltoall_packed
 expect bench_model_bad_prefill_len "--prefill-len must be >= 0" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --prefill-len -1
 
 echo "$passed passed, $failures failed"
