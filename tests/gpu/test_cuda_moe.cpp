@@ -9,6 +9,7 @@
 #include <cmath>
 #include <random>
 
+#include "backend/cuda/moe_heuristics.h"
 #include "backend/cuda_moe.h"
 #include "gpu_test_util.h"
 #include "moe/errors.h"
@@ -407,10 +408,8 @@ TEST(CudaMoe, GemvGraphReplayWithNewRoutingIsExact) {
 
 // Counts and offsets live on the device only: a graph captured once replays right for other
 // routings of the same M, and the GEMM path gives the same bits every time.
-TEST(CudaMoe, GraphReplayWithNewRoutingIsExactAndDeterministic) {
-  REQUIRE_GPU();
-  std::mt19937 rng(17);
-  const int64_t e = 64, h = 2048, inter = 1408, k = 6, t = 300;
+void check_graph_replay(int64_t e, int64_t h, int64_t inter, int64_t k, int64_t t, uint32_t seed) {
+  std::mt19937 rng(seed);
   const Layer l = make_layer(e, h, inter, rng);
   cuda::DecodeExperts layer(l.w, t, k);
   const auto x = gputest::random_bf16_exact(static_cast<size_t>(t * h), rng, 1.0f);
@@ -426,7 +425,7 @@ TEST(CudaMoe, GraphReplayWithNewRoutingIsExactAndDeterministic) {
   layer.forward(dx.get(), dids.get(), dw.get(), t, dy.get(), stream);
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (double skew : {1.0, 0.8}) {
+  for (double skew : {1.0, 0.8, 0.3}) {
     dids.upload(route(e, t, k, skew, rng));
     dy.poison();
     ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
@@ -436,12 +435,48 @@ TEST(CudaMoe, GraphReplayWithNewRoutingIsExactAndDeterministic) {
     layer.forward(dx.get(), dids.get(), dw.get(), t, dy.get(), stream);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     const auto direct = dy.download();
-    EXPECT_EQ(replayed, direct) << "skew " << skew;
+    EXPECT_EQ(replayed, direct) << "E=" << e << ", skew " << skew;
     for (float v : gputest::from_bf16(direct)) ASSERT_TRUE(std::isfinite(v)) << "an element left unwritten";
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+TEST(CudaMoe, GraphReplayWithNewRoutingIsExactAndDeterministic) {
+  REQUIRE_GPU();
+  check_graph_replay(64, 2048, 1408, 6, 300, 17);
+  // The seed workload's shape at 64 tokens: on sm_90 its down projection runs split-K, whose
+  // pieces the combine adds in a fixed order, so the bits must not depend on block timing.
+  check_graph_replay(8, 512, 1024, 2, 64, 18);
+}
+
+// Small layers (the seed workload: 8 experts, hidden 512, inter 1024, top-2) leave the device
+// short of blocks, so the wgmma path splits the down projection's k range (f32 pieces by slot,
+// added by the combine in split order). Checked where the heuristics split (asserted, so that
+// the test keeps covering it), from 1 to 128 tokens: ragged loads, every token on the same two
+// experts (six get nothing), and the slots of another rank's experts left out, as on a rank of
+// two. The folded-norm form of the split combine is covered by FoldedNextNormMatchesCpuOnEveryPath
+// at M = 1 (its down projection splits in two there).
+TEST(CudaMoe, SmallLayerSplitsTheDownProjection) {
+  REQUIRE_GPU();
+  if (!device_is_sm90()) GTEST_SKIP() << "the wgmma path needs compute capability 9.0";
+  namespace hx = cuda::heuristics;
+  std::mt19937 rng(41);
+  const int64_t e = 8, h = 512, inter = 1024, k = 2;
+  const Layer l = make_layer(e, h, inter, rng);
+  std::vector<bool> other_rank(static_cast<size_t>(e));
+  for (size_t i = 4; i < other_rank.size(); ++i) other_rank[i] = true;
+  for (int64_t t : {1, 8, 64, 128}) {
+    const int64_t tiles = hx::max_row_tiles(t * k, e, hx::gemm_tile_m(t, k, e));
+    ASSERT_GT(hx::wgmma_down_splits(tiles, h, inter), 1) << "M=" << t;
+    EXPECT_LE(run(l, t, k, route(e, t, k, 0.8, rng), ExpertPath::kWgmma, rng).rel, kBound) << "M=" << t;
+    std::vector<int32_t> same;
+    for (int64_t i = 0; i < t; ++i) same.insert(same.end(), {2, 5});
+    EXPECT_LE(run(l, t, k, same, ExpertPath::kWgmma, rng).rel, kBound) << "two experts, M=" << t;
+    EXPECT_LE(run(l, t, k, route(e, t, k, 1.0, rng), ExpertPath::kWgmma, rng, &other_rank).rel, kBound)
+        << "half the experts elsewhere, M=" << t;
+  }
 }
 
 // forward_then_norm: the next layer's input norm folded into the combine. Against the CPU: the
@@ -453,6 +488,11 @@ TEST(CudaMoe, FoldedNextNormMatchesCpuOnEveryPath) {
   const int64_t experts = 16, hidden = 512, inter = 256, k = 4;
   const Layer l = make_layer(experts, hidden, inter, rng);
   const cuda::ExpertShape shape{experts, hidden, inter, k};
+  // At M = 1 the wgmma path splits the down projection in two (f32 pieces into the folded norm).
+  ASSERT_EQ(cuda::heuristics::wgmma_down_splits(
+                cuda::heuristics::max_row_tiles(k, experts, cuda::heuristics::gemm_tile_m(1, k, experts)),
+                hidden, inter),
+            2);
   for (int64_t tokens : {1, 5, 300}) {
     const auto ids = route(experts, tokens, k, 0.8, rng);
     const size_t n = static_cast<size_t>(tokens * hidden);

@@ -31,6 +31,18 @@ Layout layout(const ExpertShape& s, int64_t max_tokens) {
   const size_t tiles = gemm ? static_cast<size_t>(h::max_row_tiles(max_tokens * s.top_k, s.experts, 64)) : 0;
   size_t part = 0;
   if (gemm) part = slots * s.hidden * 2;
+  if (h::wgmma_supports(s.hidden, s.inter)) {
+    // Split-K pieces of the down projection (f32), for the few token counts small enough to use
+    // them; the split count only falls as the tokens, hence the row tiles, grow.
+    for (int tile_m : {64, 128}) {
+      for (int64_t t = 1; t <= max_tokens; ++t) {
+        const int splits = h::wgmma_down_splits(h::max_row_tiles(t * s.top_k, s.experts, tile_m),
+                                                s.hidden, s.inter);
+        if (splits == 1) break;
+        part = std::max(part, static_cast<size_t>(splits * t * s.top_k * s.hidden) * 4);
+      }
+    }
+  }
   if (gemv) {
     const int64_t gemv_tokens = gemm ? std::min(max_tokens, h::kGemvMaxTokensBesideGemm) : max_tokens;
     part = std::max(part, static_cast<size_t>(gemv_tokens * s.top_k * s.hidden) * 4);

@@ -295,29 +295,34 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
 }
 
 // s[0..8) = the sum of token t's k slots at columns [h, h + 8), in slot order (deterministic);
-// skipped slots (id -1) have no partial sum and add nothing. The partial sums are read through L2
-// (__ldcg): in the GEMV path the combine starts before the down grid has finished.
-template <typename Part>
+// skipped slots (id -1) have no partial sum and add nothing. A slot's partial sum may come in
+// `splits` pieces (split-K of the wgmma down projection), `split_stride` slots apart, added in
+// split order too. The partial sums are read through L2 (__ldcg): in the GEMV path the combine
+// starts before the down grid has finished.
+template <typename Part, bool kSplit>
 __device__ __forceinline__ void sum_slots(const Part* __restrict__ part, const int* __restrict__ ids,
-                                          int t, int top_k, int hidden, int h, float (&s)[8]) {
+                                          int t, int top_k, int hidden, int h, int splits,
+                                          long long split_stride, float (&s)[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) s[i] = 0.f;
 #pragma unroll 4  // loads of several slots in flight; the adds stay in slot order
   for (int j = 0; j < top_k; ++j) {
     if (__ldg(ids + (size_t)t * top_k + j) < 0) continue;
-    const Part* p = part + ((size_t)t * top_k + j) * hidden + h;
-    if constexpr (sizeof(Part) == 4) {
-      const float4 a = __ldcg(reinterpret_cast<const float4*>(p));
-      const float4 b = __ldcg(reinterpret_cast<const float4*>(p) + 1);
-      s[0] += a.x, s[1] += a.y, s[2] += a.z, s[3] += a.w;
-      s[4] += b.x, s[5] += b.y, s[6] += b.z, s[7] += b.w;
-    } else {
-      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
-      const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&v);
+    for (int sp = 0; sp < (kSplit ? splits : 1); ++sp) {
+      const Part* p = part + ((size_t)sp * split_stride + (size_t)t * top_k + j) * hidden + h;
+      if constexpr (sizeof(Part) == 4) {
+        const float4 a = __ldcg(reinterpret_cast<const float4*>(p));
+        const float4 b = __ldcg(reinterpret_cast<const float4*>(p) + 1);
+        s[0] += a.x, s[1] += a.y, s[2] += a.z, s[3] += a.w;
+        s[4] += b.x, s[5] += b.y, s[6] += b.z, s[7] += b.w;
+      } else {
+        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
+        const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const float2 f = __bfloat1622float2(q[c]);
-        s[2 * c] += f.x, s[2 * c + 1] += f.y;
+        for (int c = 0; c < 4; ++c) {
+          const float2 f = __bfloat1622float2(q[c]);
+          s[2 * c] += f.x, s[2 * c + 1] += f.y;
+        }
       }
     }
   }
@@ -325,16 +330,17 @@ __device__ __forceinline__ void sum_slots(const Part* __restrict__ part, const i
 
 // y[t, h] = sum over the k slots of token t (sum_slots). Eight outputs per thread (hidden is a
 // multiple of 8), 16-byte stores.
-template <typename Part>
+template <typename Part, bool kSplit>
 __global__ void combine_kernel(const Part* __restrict__ part, const int* __restrict__ ids, int tokens,
-                               int top_k, int hidden, __nv_bfloat16* __restrict__ y) {
+                               int top_k, int hidden, int splits, long long split_stride,
+                               __nv_bfloat16* __restrict__ y) {
   wait_for_predecessor();
   const int groups = hidden / 8;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= tokens * groups) return;
   const int t = i / groups, h = (i % groups) * 8;
   float s[8];
-  sum_slots(part, ids, t, top_k, hidden, h, s);
+  sum_slots<Part, kSplit>(part, ids, t, top_k, hidden, h, splits, split_stride, s);
   uint4 out;
   __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
 #pragma unroll
@@ -347,10 +353,12 @@ __global__ void combine_kernel(const Part* __restrict__ part, const int* __restr
 constexpr int kNormThreads = 256;
 constexpr int kNormMaxChunks = 4;
 
-template <typename Part>
+template <typename Part, bool kSplit>
 __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const Part* __restrict__ part,
                                                                     const int* __restrict__ ids,
                                                                     int top_k, int hidden,
+                                                                    int splits,
+                                                                    long long split_stride,
                                                                     ResidualNorm rn) {
   wait_for_predecessor();
   __shared__ float red[kNormThreads / 32];
@@ -363,7 +371,7 @@ __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const Part* 
     const int g = threadIdx.x + c * kNormThreads;
     if (g >= groups) break;
     float s[8];
-    sum_slots(part, ids, t, top_k, hidden, g * 8, s);
+    sum_slots<Part, kSplit>(part, ids, t, top_k, hidden, g * 8, splits, split_stride, s);
     float4* xs = reinterpret_cast<float4*>(x + g * 8);
     const float4 lo = xs[0], hi = xs[1];
     const float xv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
@@ -587,31 +595,38 @@ cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int 
 
 namespace {
 
-cudaError_t combine(const ExpertBuffers& b, const int* ids, int tokens, bool part_bf16, bool chained, void* y,
+cudaError_t combine(const ExpertBuffers& b, const int* ids, int tokens, PartialSums sums, void* y,
                     cudaStream_t stream) {
+  const bool chained = sums.chained;
+  const bool bf16 = sums.bf16;
+  if (sums.splits < 1 || (sums.splits > 1 && (bf16 || sums.split_stride < (long long)tokens * b.top_k)))
+    return cudaErrorInvalidValue;
+  const bool split = sums.splits > 1;
   if (b.norm.x) {
     if (b.hidden > kNormThreads * kNormMaxChunks * 8) return cudaErrorInvalidValue;
-    if (part_bf16)
-      return launch(combine_norm_kernel<__nv_bfloat16>, tokens, kNormThreads, chained, stream,
-                    static_cast<const __nv_bfloat16*>(b.part), ids, b.top_k, b.hidden, b.norm);
-    return launch(combine_norm_kernel<float>, tokens, kNormThreads, chained, stream,
-                  static_cast<const float*>(b.part), ids, b.top_k, b.hidden, b.norm);
+    if (bf16)
+      return launch(combine_norm_kernel<__nv_bfloat16, false>, tokens, kNormThreads, chained, stream,
+                    static_cast<const __nv_bfloat16*>(b.part), ids, b.top_k, b.hidden, 1, 0LL, b.norm);
+    return launch(split ? combine_norm_kernel<float, true> : combine_norm_kernel<float, false>, tokens,
+                  kNormThreads, chained, stream, static_cast<const float*>(b.part), ids, b.top_k,
+                  b.hidden, sums.splits, sums.split_stride, b.norm);
   }
   const int total = tokens * (b.hidden / 8);
   auto* yb = static_cast<__nv_bfloat16*>(y);
   const int blocks = (total + 255) / 256;
-  if (part_bf16)
-    return launch(combine_kernel<__nv_bfloat16>, blocks, 256, chained, stream,
-                  static_cast<const __nv_bfloat16*>(b.part), ids, tokens, b.top_k, b.hidden, yb);
-  return launch(combine_kernel<float>, blocks, 256, chained, stream,
-                static_cast<const float*>(b.part), ids, tokens, b.top_k, b.hidden, yb);
+  if (bf16)
+    return launch(combine_kernel<__nv_bfloat16, false>, blocks, 256, chained, stream,
+                  static_cast<const __nv_bfloat16*>(b.part), ids, tokens, b.top_k, b.hidden, 1, 0LL, yb);
+  return launch(split ? combine_kernel<float, true> : combine_kernel<float, false>, blocks, 256, chained,
+                stream, static_cast<const float*>(b.part), ids, tokens, b.top_k, b.hidden, sums.splits,
+                sums.split_stride, yb);
 }
 
 }  // namespace
 
-cudaError_t launch_combine(const ExpertBuffers& b, const int* ids, int tokens, bool part_bf16,
+cudaError_t launch_combine(const ExpertBuffers& b, const int* ids, int tokens, PartialSums sums,
                            void* y, cudaStream_t stream) {
-  return combine(b, ids, tokens, part_bf16, false, y, stream);
+  return combine(b, ids, tokens, sums, y, stream);
 }
 
 cudaError_t launch_decode(const ExpertBuffers& b, const void* x, const int* ids,
@@ -624,7 +639,7 @@ cudaError_t launch_decode(const ExpertBuffers& b, const void* x, const int* ids,
     if (err == cudaSuccess) err = launch_grouped(b, x, weights, tokens, stream);
   }
   if (err != cudaSuccess) return err;
-  return combine(b, ids, tokens, false, true, y, stream);
+  return combine(b, ids, tokens, PartialSums{false, 1, 0, true}, y, stream);
 }
 
 }  // namespace moe::cuda::kernels

@@ -55,10 +55,20 @@ cudaError_t launch_prefill(const ExpertBuffers& b, const void* x, const int* ids
                            const float* weights, int tokens, int tile_m, void* y,
                            cudaStream_t stream);
 
+// The form of the partial sums in ExpertBuffers::part that the combine adds up.
+struct PartialSums {
+  bool bf16 = false;  // bf16 [slots, hidden] (GEMM paths) or f32 (GEMV path, split-K)
+  // Split-K (f32 only): slot s's sum comes in `splits` pieces, at part[(i * split_stride + s) *
+  // hidden], i < splits, added in that order.
+  int splits = 1;
+  long long split_stride = 0;
+  bool chained = false;  // a programmatic dependent of the kernel before it (pdl.h)
+};
+
 // y[t, h] = sum over j < top_k of part[t * top_k + j, h], in j order (deterministic), leaving
 // out the slots whose id is -1; with b.norm.x set, the residual add and norm of ResidualNorm
 // instead of storing y.
-cudaError_t launch_combine(const ExpertBuffers& b, const int* ids, int tokens, bool part_bf16,
+cudaError_t launch_combine(const ExpertBuffers& b, const int* ids, int tokens, PartialSums sums,
                            void* y, cudaStream_t stream);
 
 }  // namespace moe::cuda::kernels

@@ -117,6 +117,26 @@ inline bool wgmma_narrow_tiles(int64_t max_row_tiles, int64_t hidden, int multip
   return max_row_tiles * ((hidden + 255) / 256) < multiprocessors;
 }
 
+// Split-K of the wgmma down projection where even 128-row tiles leave the device short of blocks
+// (the seed workload's 8 experts of hidden 512 at 64 tokens: ~40 items for 132 multiprocessors,
+// each walking 16 k-steps): each (row tile, column tile) item's k range is cut into `splits`
+// contiguous pieces run by different blocks. Each piece writes f32 partial sums by slot and
+// split, and the combine adds them in split order, so the result does not depend on which block
+// finishes first. Sized from a fixed target of 128 blocks rather than the device's count, so
+// that the workspace (sized without a device) covers every device; at least 2 k-steps per piece,
+// at most 8 pieces. Only where wgmma_narrow_tiles holds (128-row tiles, hence the column count).
+constexpr int64_t kSplitTargetBlocks = 128;
+constexpr int64_t kMaxDownSplits = 8;
+constexpr int64_t kMinStepsPerSplit = 2;
+inline int wgmma_down_splits(int64_t max_row_tiles, int64_t hidden, int64_t inter) {
+  const int64_t items = max_row_tiles * ((hidden + 127) / 128);
+  int64_t s = kSplitTargetBlocks / (items > 0 ? items : 1);
+  const int64_t by_steps = inter / kGemmBK / kMinStepsPerSplit;
+  if (s > by_steps) s = by_steps;
+  if (s > kMaxDownSplits) s = kMaxDownSplits;
+  return s > 1 ? static_cast<int>(s) : 1;
+}
+
 // Upper bound on the row tiles of a forward with `slots` routed rows: sum over experts of
 // ceil(count / BM) <= slots / BM + (experts with any rows). The grid is sized for it; blocks past
 // the real count (known only on the device) exit at once.

@@ -246,7 +246,7 @@ cudaError_t launch_prefill(const ExpertBuffers& b, const void* x, const int* ids
   err = tile_m == 64 ? run_gemms<64>(b, x, weights, max_tiles, stream)
                      : run_gemms<128>(b, x, weights, max_tiles, stream);
   if (err != cudaSuccess) return err;
-  return launch_combine(b, ids, tokens, true, y, stream);
+  return launch_combine(b, ids, tokens, PartialSums{true}, y, stream);
 }
 
 }  // namespace moe::cuda::kernels

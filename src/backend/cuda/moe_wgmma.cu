@@ -21,6 +21,7 @@
 #include "backend/cuda/moe_decode_launch.h"
 #include "backend/cuda/moe_heuristics.h"
 #include "backend/cuda/moe_wgmma_launch.h"
+#include "backend/cuda/pdl.h"
 
 namespace moe::cuda::kernels {
 
@@ -210,26 +211,44 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[N / 2], uint64_t a, uint64
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
 // Persistent: block b takes work items b, b + gridDim.x, ... of (*num_tiles row tiles) x
-// col_tiles output-column tiles (128 act columns for gate_up, 256 hidden columns for down), the
-// column tile varying fastest so that blocks running together share activation rows in L2. One
-// ring of stages and one stage counter run across the items: the producer fills the next item's
-// stages while the consumers finish the last one and write its epilogue.
+// col_tiles output-column tiles (128 act columns for gate_up, 256 hidden columns for down) x
+// `splits` pieces of the k range (down only, heuristics::wgmma_down_splits), the split varying
+// fastest, then the column tile, so that blocks running together share activation rows in L2.
+// One ring of stages and one stage counter run across the items: the producer fills the next
+// item's stages while the consumers finish the last one and write its epilogue.
 // wmap: the weights as a 2-D tensor [experts * rows, K] (gate_up: rows = 2 * inter, K = hidden;
 // down: rows = hidden, K = inter), box 64 x Cfg::kBoxRows.
+// Both GEMMs are launched as programmatic dependents (pdl.h). down's predecessor is gate_up,
+// which lets it start only after waiting for the plan itself, so down may read the plan's tiles
+// before its own wait and put its first item's weight tiles (which depend on nothing computed) in
+// flight while gate_up finishes; only the activation gather waits for gate_up.
+// out: gate_up: bf16 act [slots, inter]; down: bf16 partial sums [slots, hidden], or with
+// splits > 1 f32 ones [splits, split_stride slots, hidden].
 template <int BM, int BN, bool kGateUp>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
     const __grid_constant__ CUtensorMap wmap, const __nv_bfloat16* __restrict__ a_src,
     const int* __restrict__ order, const int* __restrict__ offsets,
     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
     const int* __restrict__ num_tiles, const float* __restrict__ weights, int hidden, int inter,
-    int top_k, int col_tiles, __nv_bfloat16* __restrict__ out) {
+    int top_k, int col_tiles, int splits, long long split_stride, void* __restrict__ out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = Cfg<BM, BN>;
   constexpr int S = C::kStages;
-  const int items = *num_tiles * col_tiles;
-  if (static_cast<int>(blockIdx.x) >= items) return;
   const int K = kGateUp ? hidden : inter;
   const int KT = K / BK;
+  const int w_rows = kGateUp ? 2 * inter : hidden;
+  struct Item {
+    int tile, ct, split, kt0, kt1;  // row tile, column tile, k-steps [kt0, kt1)
+  };
+  auto item_at = [&](int item) {
+    Item r;
+    r.split = item % splits;
+    r.tile = item / splits / col_tiles;
+    r.ct = item / splits % col_tiles;
+    r.kt0 = r.split * KT / splits;
+    r.kt1 = (r.split + 1) * KT / splits;
+    return r;
+  };
 
   extern __shared__ unsigned char smem_raw[];
   // The swizzle pattern and the descriptors assume 1024-byte aligned tiles.
@@ -237,6 +256,23 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
   const uint32_t bars = base + S * C::kStageBytes;
   auto full = [&](int s) { return bars + 8u * s; };
   auto empty = [&](int s) { return bars + 8u * (S + s); };
+  // The weight tile of k-step kt of expert e, column tile ct, into stage s (one thread).
+  auto load_weights = [&](int s, int e, int ct, int kt) {
+    const uint32_t sb = base + s * C::kStageBytes + C::kABytes;
+    mbar_arrive_expect_tx(full(s), C::kBBytes);
+#pragma unroll
+    for (int bx = 0; bx < 2 * C::kParts; ++bx) {
+      int wr;
+      if (kGateUp) {
+        // Box 2q: gate rows of part q; box 2q + 1: the matching up rows.
+        const int q = bx / 2, up = bx % 2;
+        wr = e * w_rows + up * inter + ct * (BN / 2) + q * C::kBoxRows;
+      } else {
+        wr = e * w_rows + ct * BN + bx * C::kBoxRows;
+      }
+      tma_load_2d(sb + bx * C::kBoxRows * 128, &wmap, kt * BK, wr, full(s));
+    }
+  };
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < S; ++s) {
@@ -245,20 +281,36 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     fence_proxy_async();
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
   }
   __syncthreads();
+  int items = 0, prefetched = 0;  // prefetched: leading stages whose weights are already issued
+  if constexpr (!kGateUp) {
+    items = __ldcg(num_tiles) * col_tiles * splits;
+    if (static_cast<int>(blockIdx.x) < items) {
+      const Item f = item_at(blockIdx.x);
+      prefetched = min(S, f.kt1 - f.kt0);
+      if (threadIdx.x == 0) {
+        const int e = __ldcg(tile_expert + f.tile);
+        for (int i = 0; i < prefetched; ++i) load_weights(i, e, f.ct, f.kt0 + i);
+      }
+    }
+  }
+  wait_for_predecessor();
+  allow_dependents();
+  if constexpr (kGateUp) items = *num_tiles * col_tiles * splits;
+  if (static_cast<int>(blockIdx.x) >= items) return;
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<kProducerRegs>();
     const int tid = threadIdx.x, chunk = tid % 8, rsub = tid / 8;
     constexpr int kARows = BM / 16;  // 16 rows x 8 chunks of 16 bytes per pass of 128 threads
-    const int w_rows = kGateUp ? 2 * inter : hidden;
     int it = 0;  // stage counter over all items
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const int tile = item / col_tiles, ct = item % col_tiles;
-      const int e = tile_expert[tile];
-      const int row0 = tile_row[tile];
+      const Item f = item_at(item);
+      const int e = tile_expert[f.tile];
+      const int row0 = tile_row[f.tile];
       const int row_end = min(offsets[e + 1], row0 + BM);
       const __nv_bfloat16* a_ptr[kARows];
       uint32_t a_ok = 0;
@@ -271,25 +323,11 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
         const size_t row = kGateUp ? (ok ? order[p] / top_k : 0) : (ok ? p : row0);
         a_ptr[i] = a_src + row * K + chunk * 8;
       }
-      for (int kt = 0; kt < KT; ++kt, ++it) {
+      for (int kt = f.kt0; kt < f.kt1; ++kt, ++it) {
         const int s = it % S;
         if (it >= S) mbar_wait(empty(s), ((it / S) & 1) ^ 1);
-        const uint32_t sa = base + s * C::kStageBytes, sb = sa + C::kABytes;
-        if (tid == 0) {
-          mbar_arrive_expect_tx(full(s), C::kBBytes);
-#pragma unroll
-          for (int bx = 0; bx < 2 * C::kParts; ++bx) {
-            int wr;
-            if (kGateUp) {
-              // Box 2q: gate rows of part q; box 2q + 1: the matching up rows.
-              const int q = bx / 2, up = bx % 2;
-              wr = e * w_rows + up * inter + ct * (BN / 2) + q * C::kBoxRows;
-            } else {
-              wr = e * w_rows + ct * BN + bx * C::kBoxRows;
-            }
-            tma_load_2d(sb + bx * C::kBoxRows * 128, &wmap, kt * BK, wr, full(s));
-          }
-        }
+        const uint32_t sa = base + s * C::kStageBytes;
+        if (tid == 0 && it >= prefetched) load_weights(s, e, f.ct, kt);
 #pragma unroll
         for (int i = 0; i < kARows; ++i) {
           const int r = rsub + 16 * i;
@@ -315,9 +353,10 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
     const int part = BM == 128 ? 0 : cw;
     int it = 0;
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const int tile = item / col_tiles, ct = item % col_tiles;
-      const int row0 = tile_row[tile];
-      const int row_end = min(offsets[tile_expert[tile] + 1], row0 + BM);
+      const Item f = item_at(item);
+      const int ct = f.ct;
+      const int row0 = tile_row[f.tile];
+      const int row_end = min(offsets[tile_expert[f.tile] + 1], row0 + BM);
       // The epilogue's two rows, and for down their slots and routing weights, fetched before
       // the k loop so that their latency hides under it.
       int prow[2], slot[2] = {0, 0};
@@ -333,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
       float acc[C::WN / 2];
 #pragma unroll
       for (int i = 0; i < C::WN / 2; ++i) acc[i] = 0.f;
-      for (int kt = 0; kt < KT; ++kt, ++it) {
+      for (int kt = f.kt0; kt < f.kt1; ++kt, ++it) {
         const int s = it % S;
         mbar_wait(full(s), (it / S) & 1);
         const uint32_t sa = base + s * C::kStageBytes + a_off;
@@ -346,7 +385,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
         // The previous step is done with its stage once at most this step's group is pending.
         wgmma_wait<1>();
         fence_regs(acc);
-        if (kt > 0) {
+        if (kt > f.kt0) {
           __syncwarp();
           if (lane == 0) mbar_arrive(empty((it - 1) % S));
         }
@@ -364,22 +403,33 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
         if (p >= row_end) continue;
         if (kGateUp) {
           // Columns [0, WN/2) of this consumer are gate rows, [WN/2, WN) the matching up rows.
+          auto* act = static_cast<__nv_bfloat16*>(out);
 #pragma unroll
           for (int j = 0; j < C::WN / 16; ++j) {
             const int col = ct * (BN / 2) + part * C::kBoxRows + 8 * j + 2 * (lane % 4);
             if (col >= inter) continue;
             const float g0 = acc[4 * j + 2 * h], g1 = acc[4 * j + 2 * h + 1];
             const float u0 = acc[4 * (j + C::WN / 16) + 2 * h], u1 = acc[4 * (j + C::WN / 16) + 2 * h + 1];
-            *reinterpret_cast<__nv_bfloat162*>(out + (size_t)p * inter + col) =
+            *reinterpret_cast<__nv_bfloat162*>(act + (size_t)p * inter + col) =
                 __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
           }
-        } else {
+        } else if (splits == 1) {
+          auto* sums = static_cast<__nv_bfloat16*>(out);
 #pragma unroll
           for (int j = 0; j < C::WN / 8; ++j) {
             const int col = ct * BN + part * C::WN + 8 * j + 2 * (lane % 4);
             if (col >= hidden) continue;
-            *reinterpret_cast<__nv_bfloat162*>(out + (size_t)slot[h] * hidden + col) =
+            *reinterpret_cast<__nv_bfloat162*>(sums + (size_t)slot[h] * hidden + col) =
                 __floats2bfloat162_rn(scale[h] * acc[4 * j + 2 * h], scale[h] * acc[4 * j + 2 * h + 1]);
+          }
+        } else {
+          float* sums = static_cast<float*>(out) + ((size_t)f.split * split_stride + slot[h]) * hidden;
+#pragma unroll
+          for (int j = 0; j < C::WN / 8; ++j) {
+            const int col = ct * BN + part * C::WN + 8 * j + 2 * (lane % 4);
+            if (col >= hidden) continue;
+            *reinterpret_cast<float2*>(sums + col) =
+                make_float2(scale[h] * acc[4 * j + 2 * h], scale[h] * acc[4 * j + 2 * h + 1]);
           }
         }
       }
@@ -422,7 +472,7 @@ cudaError_t weight_map(CUtensorMap* map, const void* w, uint64_t rows, uint64_t 
 
 template <int BM, int BN>
 cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weights, int max_tiles,
-                      cudaStream_t stream) {
+                      int splits, long long split_stride, int sms, cudaStream_t stream) {
   using C = Cfg<BM, BN>;
   CUtensorMap gate_up_map, down_map;
   cudaError_t err = weight_map(&gate_up_map, b.gate_up, uint64_t(b.experts) * 2 * b.inter, b.hidden, C::kBoxRows);
@@ -436,23 +486,18 @@ cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weight
   if (err != cudaSuccess) return err;
   // One block per multiprocessor (one fits: ~200 KB of shared memory), or fewer where the worst
   // case has fewer items.
-  int device = 0, sms = 0;
-  err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
   auto* act = static_cast<__nv_bfloat16*>(b.act);
   const int gu_cols = (b.inter + BN / 2 - 1) / (BN / 2), down_cols = (b.hidden + BN - 1) / BN;
-  const int gu_grid = max_tiles * gu_cols < sms ? max_tiles * gu_cols : sms;
-  const int down_grid = max_tiles * down_cols < sms ? max_tiles * down_cols : sms;
-  gate_up<<<gu_grid, kThreads, C::kSmem, stream>>>(
-      gate_up_map, static_cast<const __nv_bfloat16*>(x), b.order, b.offsets, b.tile_expert, b.tile_row,
-      b.num_tiles, weights, b.hidden, b.inter, b.top_k, gu_cols, act);
-  err = cudaGetLastError();
+  const int gu_items = max_tiles * gu_cols, down_items = max_tiles * down_cols * splits;
+  err = launch_dependent(gate_up, dim3(gu_items < sms ? gu_items : sms), dim3(kThreads), C::kSmem, stream,
+                         gate_up_map, static_cast<const __nv_bfloat16*>(x), b.order, b.offsets,
+                         b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden, b.inter, b.top_k,
+                         gu_cols, 1, 0LL, static_cast<void*>(act));
   if (err != cudaSuccess) return err;
-  down<<<down_grid, kThreads, C::kSmem, stream>>>(
-      down_map, act, b.order, b.offsets, b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden,
-      b.inter, b.top_k, down_cols, static_cast<__nv_bfloat16*>(b.part));
-  return cudaGetLastError();
+  return launch_dependent(down, dim3(down_items < sms ? down_items : sms), dim3(kThreads), C::kSmem,
+                          stream, down_map, static_cast<const __nv_bfloat16*>(act), b.order, b.offsets,
+                          b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden, b.inter, b.top_k,
+                          down_cols, splits, split_stride, b.part);
 }
 
 }  // namespace
@@ -470,14 +515,21 @@ cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const in
   if (err == cudaSuccess) err = launch_plan(b, ids, tokens, tile_m, stream);
   if (err != cudaSuccess) return err;
   const bool narrow = heuristics::wgmma_narrow_tiles(max_tiles, b.hidden, sms);
+  const int splits = narrow ? heuristics::wgmma_down_splits(max_tiles, b.hidden, b.inter) : 1;
+  const long long stride = static_cast<long long>(tokens) * b.top_k;
   if (tile_m == 64)
-    err = narrow ? run_gemms<64, 128>(b, x, weights, max_tiles, stream)
-                 : run_gemms<64, 256>(b, x, weights, max_tiles, stream);
+    err = narrow ? run_gemms<64, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
+                 : run_gemms<64, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
   else
-    err = narrow ? run_gemms<128, 128>(b, x, weights, max_tiles, stream)
-                 : run_gemms<128, 256>(b, x, weights, max_tiles, stream);
+    err = narrow ? run_gemms<128, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
+                 : run_gemms<128, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
   if (err != cudaSuccess) return err;
-  return launch_combine(b, ids, tokens, true, y, stream);
+  PartialSums sums;
+  sums.bf16 = splits == 1;
+  sums.splits = splits;
+  sums.split_stride = stride;
+  sums.chained = true;
+  return launch_combine(b, ids, tokens, sums, y, stream);
 }
 
 }  // namespace moe::cuda::kernels
