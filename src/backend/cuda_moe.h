@@ -69,6 +69,22 @@ class Experts {
                          int64_t tokens, const NextNorm& next, void* workspace, void* stream,
                          ExpertPath path = ExpertPath::kAuto) const;
 
+  // forward() without its combine: the per-slot partial sums stay in the workspace, for a
+  // caller that sums each row's slots itself (the p2p exchange does it while sending rows back;
+  // backend/cuda/slot_sums.cuh). Row t's sum at column h is, in slot order j < top_k (slots with
+  // id -1 skipped), then split order, the sum of sums[((i * split_stride) + t * top_k + j) * H + h].
+  struct Partials {
+    const void* sums = nullptr;  // in the workspace
+    bool bf16 = false;           // bf16, or f32
+    int splits = 1;              // f32 pieces per slot (split-K), > 1 only when f32
+    long long split_stride = 0;  // slots between pieces
+  };
+  Partials forward_partials(const uint16_t* x, const int32_t* ids, const float* weights,
+                            int64_t tokens, void* workspace, void* stream,
+                            ExpertPath path = ExpertPath::kAuto) const;
+  // Where and in which form forward_partials(tokens) leaves the sums, without running anything.
+  Partials partials_of(int64_t tokens, void* workspace, ExpertPath path = ExpertPath::kAuto) const;
+
   // The path forward(..., kAuto) takes for M tokens.
   ExpertPath path_for(int64_t tokens) const;
 
@@ -78,7 +94,8 @@ class Experts {
 
  private:
   void run(const uint16_t* x, const int32_t* ids, const float* weights, int64_t tokens,
-           uint16_t* y, const NextNorm* next, void* workspace, void* stream, ExpertPath path) const;
+           uint16_t* y, const NextNorm* next, Partials* partials, void* workspace, void* stream,
+           ExpertPath path) const;
 
   const void* gate_up_;
   const void* down_;

@@ -30,6 +30,10 @@ using gputest::DeviceBuffer;
 using Bits = std::vector<uint16_t>;
 
 constexpr int64_t kExperts = 16, kHidden = 256, kInter = 128, kTopK = 4;
+constexpr cuda::ExpertShape kShape{kExperts, kHidden, kInter, kTopK};
+// The seed workload's layer: on sm_90 its experts split the down projection (f32 pieces that the
+// p2p send-back sums per row).
+constexpr cuda::ExpertShape kSeedShape{8, 512, 1024, 2};
 
 int device_count() {
   int n = 0;
@@ -55,6 +59,7 @@ std::vector<int> group_sizes() {
 }
 
 struct Problem {
+  cuda::ExpertShape shape;
   int64_t tokens = 0;
   Bits x, gate_up, down;        // bf16: x [T, H], all experts' weights
   std::vector<int32_t> ids;     // [T, k] ascending per token
@@ -66,19 +71,21 @@ Bits random_bits(size_t n, std::mt19937& rng, float scale) {
 }
 
 // `skew` < 1 piles the routing onto the first experts, so the last ranks get few or no rows.
-Problem make_problem(int64_t tokens, double skew, uint32_t seed) {
+Problem make_problem(int64_t tokens, double skew, uint32_t seed, cuda::ExpertShape shape = kShape) {
   std::mt19937 rng(seed);
   Problem p;
+  p.shape = shape;
   p.tokens = tokens;
-  p.x = random_bits(static_cast<size_t>(tokens * kHidden), rng, 1.0f);
-  p.gate_up = random_bits(static_cast<size_t>(kExperts * 2 * kInter * kHidden), rng, 0.06f);
-  p.down = random_bits(static_cast<size_t>(kExperts * kHidden * kInter), rng, 0.06f);
-  std::vector<double> w(kExperts);
-  for (int64_t e = 0; e < kExperts; ++e) w[static_cast<size_t>(e)] = std::pow(skew, static_cast<double>(e));
+  const int64_t E = shape.experts, H = shape.hidden, I = shape.inter, K = shape.top_k;
+  p.x = random_bits(static_cast<size_t>(tokens * H), rng, 1.0f);
+  p.gate_up = random_bits(static_cast<size_t>(E * 2 * I * H), rng, 0.06f);
+  p.down = random_bits(static_cast<size_t>(E * H * I), rng, 0.06f);
+  std::vector<double> w(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) w[static_cast<size_t>(e)] = std::pow(skew, static_cast<double>(e));
   for (int64_t t = 0; t < tokens; ++t) {
     std::vector<double> q = w;
     std::vector<int32_t> pick;
-    for (int64_t j = 0; j < kTopK; ++j) {
+    for (int64_t j = 0; j < K; ++j) {
       std::discrete_distribution<int32_t> d(q.begin(), q.end());
       const int32_t e = d(rng);
       pick.push_back(e);
@@ -86,7 +93,7 @@ Problem make_problem(int64_t tokens, double skew, uint32_t seed) {
     }
     std::sort(pick.begin(), pick.end());
     p.ids.insert(p.ids.end(), pick.begin(), pick.end());
-    for (int64_t j = 0; j < kTopK; ++j) p.weights.push_back(std::uniform_real_distribution<float>(0.1f, 1.0f)(rng));
+    for (int64_t j = 0; j < K; ++j) p.weights.push_back(std::uniform_real_distribution<float>(0.1f, 1.0f)(rng));
   }
   return p;
 }
@@ -94,7 +101,7 @@ Problem make_problem(int64_t tokens, double skew, uint32_t seed) {
 // The layer on GPU 0 with every expert.
 Bits one_gpu(const Problem& p) {
   EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
-  const cuda::ExpertShape shape{kExperts, kHidden, kInter, kTopK};
+  const cuda::ExpertShape shape = p.shape;
   DeviceBuffer<uint16_t> gu(p.gate_up), dn(p.down), x(p.x), y(p.x.size());
   DeviceBuffer<int32_t> ids(p.ids);
   DeviceBuffer<float> w(p.weights);
@@ -113,31 +120,32 @@ struct RankData {
   DeviceBuffer<float> weights;
 
   RankData(const Problem& p, int ranks, int rank)
-      : gate_up(slice(p.gate_up, ranks, rank, 2 * kInter * kHidden)),
-        down(slice(p.down, ranks, rank, kHidden * kInter)),
+      : gate_up(slice(p, p.gate_up, ranks, rank, 2 * p.shape.inter * p.shape.hidden)),
+        down(slice(p, p.down, ranks, rank, p.shape.hidden * p.shape.inter)),
         x(p.x),
         out(p.x.size()),
         ids(p.ids),
         weights(p.weights) {
     out.poison();
   }
-  static Bits slice(const Bits& all, int ranks, int rank, int64_t per_expert) {
-    ExpertPlacement pl(kExperts, ranks, rank);
+  static Bits slice(const Problem& p, const Bits& all, int ranks, int rank, int64_t per_expert) {
+    ExpertPlacement pl(p.shape.experts, ranks, rank);
     const auto b = all.begin() + pl.first_expert() * per_expert;
     return Bits(b, b + pl.num_local() * per_expert);
   }
 };
 
-cuda::EpLayerConfig config(dist::EpBackend backend, int ranks, int rank, int64_t max_tokens) {
+cuda::EpLayerConfig config(dist::EpBackend backend, int ranks, int rank, int64_t max_tokens,
+                           cuda::ExpertShape shape = kShape) {
   cuda::EpLayerConfig c;
   c.backend = backend;
   c.rank = rank;
   c.ranks = ranks;
   c.device = rank;
-  c.experts = kExperts;
-  c.hidden = kHidden;
-  c.inter = kInter;
-  c.top_k = kTopK;
+  c.experts = shape.experts;
+  c.hidden = shape.hidden;
+  c.inter = shape.inter;
+  c.top_k = shape.top_k;
   c.max_tokens = max_tokens;
   return c;
 }
@@ -146,11 +154,11 @@ cuda::EpLayerConfig config(dist::EpBackend backend, int ranks, int rank, int64_t
 // the first left dirty) and returns every rank's output of the second call.
 std::vector<Bits> run_ep(dist::EpBackend backend, int ranks, const Problem& p) {
   std::vector<Bits> outs(static_cast<size_t>(ranks));
-  const Problem warm = make_problem(p.tokens, 1.0, 99);
+  const Problem warm = make_problem(p.tokens, 1.0, 99, p.shape);
   auto body = [&](int r, dist::Communicator* comm, cuda::P2pExchange* x) {
     EXPECT_EQ(cudaSetDevice(r), cudaSuccess);
     RankData d(p, ranks, r), w(warm, ranks, r);
-    cuda::EpExperts layer(config(backend, ranks, r, p.tokens), d.gate_up.get(), d.down.get(), comm, x);
+    cuda::EpExperts layer(config(backend, ranks, r, p.tokens, p.shape), d.gate_up.get(), d.down.get(), comm, x);
     cudaStream_t st;
     EXPECT_EQ(cudaStreamCreate(&st), cudaSuccess);
     layer.forward(w.x.get(), w.ids.get(), w.weights.get(), p.tokens, w.out.get(), st);
@@ -161,7 +169,7 @@ std::vector<Bits> run_ep(dist::EpBackend backend, int ranks, const Problem& p) {
     cudaStreamDestroy(st);
   };
   if (backend == dist::EpBackend::kP2p) {
-    cuda::P2pExchange x(first_devices(ranks), kHidden, kTopK, p.tokens, 20.0);
+    cuda::P2pExchange x(first_devices(ranks), p.shape.hidden, p.shape.top_k, p.tokens, 20.0);
     std::vector<std::thread> threads;
     std::vector<std::exception_ptr> errors(static_cast<size_t>(ranks));
     for (int r = 0; r < ranks; ++r)
@@ -185,17 +193,18 @@ std::vector<Bits> run_ep(dist::EpBackend backend, int ranks, const Problem& p) {
 // Every rank's output is the same, fully written, and each element is within a few bf16 steps
 // (at the row's scale) of the one-GPU result: each rank rounds its partial sum to bf16 once and
 // the sum of the partials is rounded once more.
-void expect_matches(const std::vector<Bits>& outs, const Bits& want, const char* what) {
+void expect_matches(const std::vector<Bits>& outs, const Bits& want, const char* what,
+                    int64_t hidden = kHidden) {
   for (size_t r = 1; r < outs.size(); ++r)
     EXPECT_EQ(outs[r], outs[0]) << what << ": rank " << r << " differs from rank 0";
   const auto got = gputest::from_bf16(outs[0]), ref = gputest::from_bf16(want);
   ASSERT_EQ(got.size(), ref.size());
   double worst = 0;
-  for (size_t t = 0; t * kHidden < ref.size(); ++t) {
+  for (size_t t = 0; t * hidden < ref.size(); ++t) {
     double scale = 1e-30;
-    for (int64_t h = 0; h < kHidden; ++h) scale = std::max(scale, std::fabs((double)ref[t * kHidden + h]));
-    for (int64_t h = 0; h < kHidden; ++h) {
-      const double a = got[t * kHidden + h], b = ref[t * kHidden + h];
+    for (int64_t h = 0; h < hidden; ++h) scale = std::max(scale, std::fabs((double)ref[t * hidden + h]));
+    for (int64_t h = 0; h < hidden; ++h) {
+      const double a = got[t * hidden + h], b = ref[t * hidden + h];
       ASSERT_TRUE(std::isfinite(a)) << what << ": token " << t << " left unwritten";
       worst = std::max(worst, std::fabs(a - b) / scale);
     }
@@ -231,6 +240,28 @@ TEST(CudaEp, EveryBackendMatchesOneGpu) {
           expect_matches(run_ep(b, ranks, p), want, what.c_str());
         }
     }
+  }
+}
+
+// The seed workload's shape (8 experts, hidden 512, inter 1024, top-2) at the sizes the seed
+// runs: on sm_90 the experts split their down projection there, and the p2p backend sums those
+// f32 pieces per row while sending the rows back; every backend against one GPU.
+TEST(CudaEp, SeedShapeEveryBackendMatchesOneGpu) {
+  if (device_count() < 2) GTEST_SKIP() << "needs two or more CUDA devices";
+  for (int64_t tokens : {8, 64, 128}) {
+    const Problem p = make_problem(tokens, 1.0, static_cast<uint32_t>(700 + tokens), kSeedShape);
+    const Bits want = one_gpu(p);
+    for (int ranks : group_sizes())
+      for (dist::EpBackend b : kBackends) {
+        std::string why;
+        if (!backend_available(b, ranks, &why)) {
+          std::printf("[ SKIPPED  ] %s on %d GPUs: %s\n", dist::ep_backend_name(b), ranks, why.c_str());
+          continue;
+        }
+        const std::string what = std::string(dist::ep_backend_name(b)) + ", seed shape, " +
+                                 std::to_string(ranks) + " GPUs, T=" + std::to_string(tokens);
+        expect_matches(run_ep(b, ranks, p), want, what.c_str(), kSeedShape.hidden);
+      }
   }
 }
 

@@ -449,16 +449,29 @@ void EpExperts::forward(const uint16_t* x, const int32_t* ids, const float* weig
       d.sig.done = mine.done;
       d.wait = k::EpWait{mine.flags, mine.epoch, x2.timeout_ns, mine.status, 1};
       d.cursor = mine.cursor;
+      d.recv_ids = mine.recv_ids;
+      d.recv_token = mine.recv_tok;
       returned.done = mine.done + 1;
       MOE_CUDA_CHECK(k::ep_dispatch_p2p(x, rt, static_cast<int>(begin), S, static_cast<int>(H), d, st));
       const int64_t rows = n * cap;
-      if (!c.exchange_only)
-        s.experts->forward(mine.recv_x, mine.recv_ids, mine.recv_w, rows, s.y, s.ws, st);
-      MOE_CUDA_CHECK(k::ep_send_back(s.y, mine.recv_tok, static_cast<int>(rows), static_cast<int>(H),
-                                     n, back, returned, st));
-      const k::EpWait rows_back{mine.flags + n, mine.epoch, x2.timeout_ns, mine.status, 2};
-      MOE_CUDA_CHECK(k::ep_reduce(rt, mine.comb, x2.max_tokens, static_cast<int>(T),
-                                  static_cast<int>(H), rows_back, mine.epoch, mine.done + 2, out, st));
+      // The experts stop short of their combine: one kernel sums each received row from its
+      // slots as it writes the row back to the ranks, then waits for the others' rows and adds
+      // them up (two launches less per layer than combine, send-back and sum apart).
+      const Experts::Partials p =
+          c.exchange_only ? s.experts->partials_of(rows, s.ws)
+                          : s.experts->forward_partials(mine.recv_x, mine.recv_ids, mine.recv_w, rows, s.ws, st);
+      k::P2pCombine comb;
+      comb.in = k::EpSlotSums{p.sums, mine.recv_ids, static_cast<int>(K), p.bf16, p.splits, p.split_stride};
+      comb.token = mine.recv_tok;
+      comb.rows = static_cast<int>(rows);
+      comb.back = back;
+      comb.sig = returned;
+      comb.comb = mine.comb;
+      comb.stride = x2.max_tokens;
+      comb.wait = k::EpWait{mine.flags + n, mine.epoch, x2.timeout_ns, mine.status, 2};
+      comb.epoch = mine.epoch;
+      comb.done = mine.done + 2;
+      MOE_CUDA_CHECK(k::ep_combine_p2p(rt, comb, static_cast<int>(T), static_cast<int>(H), out, st));
       return;
     }
     default:

@@ -144,7 +144,7 @@ ExpertPath Experts::path_for(int64_t tokens) const {
 void Experts::forward(const uint16_t* x, const int32_t* ids, const float* weights, int64_t tokens,
                       uint16_t* y, void* workspace, void* stream, ExpertPath path) const {
   MOE_CHECK(y != nullptr, kInvalidArgument, "null output");
-  run(x, ids, weights, tokens, y, nullptr, workspace, stream, path);
+  run(x, ids, weights, tokens, y, nullptr, nullptr, workspace, stream, path);
 }
 
 void Experts::forward_then_norm(const uint16_t* x, const int32_t* ids, const float* weights,
@@ -154,12 +154,28 @@ void Experts::forward_then_norm(const uint16_t* x, const int32_t* ids, const flo
             "the folded norm needs its residual, weight and output");
   MOE_CHECK(shape_.hidden <= 8192, kUnsupported, "the folded norm takes hidden up to 8192, got {}",
             shape_.hidden);
-  run(x, ids, weights, tokens, nullptr, &next, workspace, stream, path);
+  run(x, ids, weights, tokens, nullptr, &next, nullptr, workspace, stream, path);
 }
 
+Experts::Partials Experts::forward_partials(const uint16_t* x, const int32_t* ids,
+                                            const float* weights, int64_t tokens, void* workspace,
+                                            void* stream, ExpertPath path) const {
+  Partials p;
+  run(x, ids, weights, tokens, nullptr, nullptr, &p, workspace, stream, path);
+  return p;
+}
+
+Experts::Partials Experts::partials_of(int64_t tokens, void* workspace, ExpertPath path) const {
+  Partials p;
+  run(nullptr, nullptr, nullptr, tokens, nullptr, nullptr, &p, workspace, nullptr, path);
+  return p;
+}
+
+// With `partials` set and x null, only describes the sums (partials_of); with x set, runs all
+// but the combine (forward_partials).
 void Experts::run(const uint16_t* x, const int32_t* ids, const float* weights, int64_t tokens,
-                  uint16_t* y, const NextNorm* next, void* workspace, void* stream,
-                  ExpertPath path) const {
+                  uint16_t* y, const NextNorm* next, Partials* partials, void* workspace,
+                  void* stream, ExpertPath path) const {
   MOE_CHECK(tokens >= 1 && tokens <= max_tokens_, kInvalidArgument,
             "{} tokens: this layer was set up for 1 to {}", tokens, max_tokens_);
   MOE_CHECK(workspace != nullptr, kInvalidArgument, "null workspace");
@@ -194,7 +210,15 @@ void Experts::run(const uint16_t* x, const int32_t* ids, const float* weights, i
   if (next) b.norm = kernels::ResidualNorm{next->residual, next->weight, next->eps, next->normed};
   auto* st = static_cast<cudaStream_t>(stream);
   const int m = static_cast<int>(tokens);
-  if (path == ExpertPath::kGemv) {
+  kernels::PartialSums sums;
+  if (partials) b.leave_partials = &sums;
+  if (partials && x == nullptr) {  // describe only
+    if (path == ExpertPath::kWgmma)
+      MOE_CUDA_CHECK(kernels::wgmma_partial_sums(
+          b, m, h::gemm_tile_m(tokens, shape_.top_k, shape_.experts), &sums));
+    else
+      sums.bf16 = path == ExpertPath::kGemm;
+  } else if (path == ExpertPath::kGemv) {
     MOE_CUDA_CHECK(kernels::launch_decode(b, x, ids, weights, m, y, st));
   } else {
     const int tile_m = h::gemm_tile_m(tokens, shape_.top_k, shape_.experts);
@@ -203,6 +227,7 @@ void Experts::run(const uint16_t* x, const int32_t* ids, const float* weights, i
     else
       MOE_CUDA_CHECK(kernels::launch_prefill(b, x, ids, weights, m, tile_m, y, st));
   }
+  if (partials) *partials = Partials{b.part, sums.bf16, sums.splits, sums.split_stride};
 }
 
 struct DecodeExperts::State {

@@ -4,8 +4,11 @@
 // together in rank order. Only CUDA headers here: the host side is in cuda_ep.cpp.
 #include <cuda_bf16.h>
 
+#include <algorithm>
+
 #include "backend/cuda/ep_exchange_launch.h"
 #include "backend/cuda/pdl.h"
+#include "backend/cuda/slot_sums.cuh"
 
 namespace moe::cuda::kernels {
 
@@ -100,19 +103,10 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(EpRouting r, int beg
   }
 }
 
-// The end of a kernel whose rows went to peers: each block makes its writes visible system-wide
-// before it counts itself done; the last one stores the epoch into every rank's flag.
-__device__ void signal_done(const EpSignal& sig, int ranks) {
-  if (sig.done == nullptr) return;
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  if (atomicAdd(sig.done, 1u) != gridDim.x - 1) return;
-  __threadfence_system();
-  const unsigned long long cur = *(volatile const unsigned long long*)sig.epoch + 1;
-  for (int q = 0; q < ranks; ++q) store_release(sig.flag[q], cur);
-  *sig.done = 0;
-}
+// A flag holds the epoch it signals above kFlagCountBits bits of a row count (dispatch: the rows
+// sent to that rank, so that the receiver pads the rest of its slice itself; 0 elsewhere).
+constexpr int kFlagCountBits = 20;  // rows per slice are at most 65536
+constexpr unsigned long long kFlagCountMask = (1ull << kFlagCountBits) - 1;
 
 // Into local send buffers (the NCCL backends). Blocks [0, count): one shard token each, copied to
 // every rank that owns one of its experts; blocks [count, count + ranks): the padding rows of
@@ -152,7 +146,7 @@ __global__ void __launch_bounds__(kRowThreads) pack_kernel(const uint16_t* __res
 }
 
 // Thread p < ranks waits for flag[p]; true when every flag arrived in time.
-__device__ bool wait_flags(const EpWait& w, int ranks);
+__device__ bool wait_flags(const EpWait& w, int ranks, int* counts = nullptr);
 
 __global__ void __launch_bounds__(kRowThreads) dispatch_p2p_kernel(const uint16_t* __restrict__ x,
                                                                    EpRouting r, int begin,
@@ -185,28 +179,37 @@ __global__ void __launch_bounds__(kRowThreads) dispatch_p2p_kernel(const uint16_
       if (threadIdx.x == 0) d.dest.token[p][row] = t;
     }
   }
-  __threadfence_system();
+  // One system-scope fence per block, after the barrier: it orders every write the block's
+  // threads made before it (fences are cumulative) ahead of the count.
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(d.sig.done, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    last = atomicAdd(d.sig.done, 1u) == gridDim.x - 1;
+  }
   __syncthreads();
   if (!last) return;
-  // Every other block has placed its rows (each fenced them before counting itself done).
+  // Every other block has placed its rows and fenced them before counting itself done, which
+  // this block has seen: the release stores of the flags come after all of them.
   if (threadIdx.x < r.ranks) rows[threadIdx.x] = atomicAdd(d.cursor + threadIdx.x, 0);
-  __syncthreads();
-  for (int p = 0; p < r.ranks; ++p) {
-    const int from = rows[p], n = (d.dest.pad_rows - from) * r.top_k;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) d.dest.ids[p][(size_t)from * r.top_k + i] = -1;
-    for (int i = from + threadIdx.x; i < d.dest.pad_rows; i += blockDim.x) d.dest.token[p][i] = -1;
-  }
-  __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned long long cur = *(volatile const unsigned long long*)d.sig.epoch + 1;
-    for (int q = 0; q < r.ranks; ++q) store_release(d.sig.flag[q], cur);
+    for (int q = 0; q < r.ranks; ++q)
+      store_release(d.sig.flag[q], cur << kFlagCountBits | static_cast<unsigned long long>(rows[q]));
     for (int p = 0; p < r.ranks; ++p) d.cursor[p] = 0;
     *d.sig.done = 0;
   }
-  wait_flags(d.wait, r.ranks);
+  __shared__ int got[kEpMaxRanks];
+  if (!wait_flags(d.wait, r.ranks, got)) return;
+  // Rows past what each rank sent are padding here: no expert, no token (local writes, seen by
+  // the experts' kernels, which start after this one ends).
+  for (int p = 0; p < r.ranks; ++p) {
+    const int from = got[p], n = (d.dest.pad_rows - from) * r.top_k;
+    int32_t* ids = d.recv_ids + ((size_t)p * d.dest.pad_rows + from) * r.top_k;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ids[i] = -1;
+    int32_t* token = d.recv_token + (size_t)p * d.dest.pad_rows;
+    for (int i = from + threadIdx.x; i < d.dest.pad_rows; i += blockDim.x) token[i] = -1;
+  }
 }
 
 __global__ void localize_kernel(const int32_t* __restrict__ ids, int n, int first, int num,
@@ -218,7 +221,7 @@ __global__ void localize_kernel(const int32_t* __restrict__ ids, int n, int firs
   out[i] = e >= first && e < first + num ? e - first : -1;
 }
 
-__device__ bool wait_flags(const EpWait& w, int ranks) {
+__device__ bool wait_flags(const EpWait& w, int ranks, int* counts) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
@@ -227,14 +230,15 @@ __device__ bool wait_flags(const EpWait& w, int ranks) {
     volatile int* status = w.status;
     const unsigned long long cur = *(volatile const unsigned long long*)w.epoch + 1;
     const unsigned long long start = now_ns();
-    while (load_acquire(w.flag + p) < cur) {
+    unsigned long long f;
+    while (((f = load_acquire(w.flag + p)) >> kFlagCountBits) < cur) {
       if (*status != 0 || (long long)(now_ns() - start) > w.timeout_ns) {
         atomicCAS(w.status, 0, ((w.stage << 8) | p) + 1);
         failed = 1;
         break;
       }
-      __nanosleep(64);
     }
+    if (counts) counts[p] = static_cast<int>(f & kFlagCountMask);
   }
   __syncthreads();
   return failed == 0;
@@ -273,48 +277,55 @@ __global__ void unpack_sum_kernel(EpParts parts, const int* __restrict__ pos, in
   store_row(s, out + (size_t)t * hidden + h);
 }
 
-__global__ void __launch_bounds__(kRowThreads) send_back_kernel(const uint16_t* __restrict__ y,
-                                                                const int32_t* __restrict__ token,
-                                                                int hidden, int ranks,
-                                                                EpRowsOut out, EpSignal sig) {
+template <typename Part, bool kSplit>
+__global__ void __launch_bounds__(kRowThreads) combine_p2p_kernel(EpRouting r, P2pCombine c,
+                                                                  int tokens, int hidden,
+                                                                  uint16_t* __restrict__ out) {
   begin_dependent();  // launched as a programmatic dependent (pdl.h)
-  const int t = token[blockIdx.x];
-  if (t >= 0) {
-    const uint4* src = reinterpret_cast<const uint4*>(y + (size_t)blockIdx.x * hidden);
-    const int chunks = hidden / 8;
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-      const uint4 v = __ldcg(src + c);
-      for (int q = 0; q < ranks; ++q)
-        reinterpret_cast<uint4*>(out.dest[q] + (size_t)t * hidden)[c] = v;
+  const int groups = hidden / 8;
+  const Part* part = static_cast<const Part*>(c.in.sums);
+  for (int row = blockIdx.x; row < c.rows; row += gridDim.x) {
+    const int t = c.token[row];
+    if (t < 0) continue;
+    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+      float s[8];
+      sum_slots<Part, kSplit>(part, c.in.ids, row, c.in.top_k, hidden, g * 8, c.in.splits,
+                              c.in.split_stride, s);
+      uint4 v;
+      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) o[k] = __floats2bfloat162_rn(s[2 * k], s[2 * k + 1]);
+      for (int q = 0; q < r.ranks; ++q) reinterpret_cast<uint4*>(c.back.dest[q] + (size_t)t * hidden)[g] = v;
     }
   }
-  signal_done(sig, ranks);
-}
-
-__global__ void __launch_bounds__(kRowThreads) reduce_kernel(EpRouting r, const uint16_t* comb,
-                                                             long long stride, int tokens,
-                                                             int hidden, EpWait w,
-                                                             unsigned long long* epoch,
-                                                             unsigned* done,
-                                                             uint16_t* __restrict__ out) {
-  begin_dependent();  // launched as a programmatic dependent (pdl.h)
-  const bool ok = wait_flags(w, r.ranks);
-  const int groups = hidden / 8;
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (ok && i < tokens * groups) {
+  // This rank's rows are out once every block has fenced its own: the last one raises the flags.
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {  // one fence for the block, as in dispatch_p2p_kernel
+    __threadfence_system();
+    last = atomicAdd(c.sig.done, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (last && threadIdx.x == 0) {  // every block's rows fenced before its count, as in dispatch
+    const unsigned long long cur = *(volatile const unsigned long long*)c.sig.epoch + 1;
+    for (int q = 0; q < r.ranks; ++q) store_release(c.sig.flag[q], cur << kFlagCountBits);
+    *c.sig.done = 0;
+  }
+  const bool ok = wait_flags(c.wait, r.ranks);
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; ok && i < tokens * groups; i += gridDim.x * blockDim.x) {
     const int t = i / groups, h = (i % groups) * 8;
     const unsigned m = owners(r, t);
     float s[8] = {};
     for (int p = 0; p < r.ranks; ++p)
-      if ((m >> p) & 1u) add_row(comb + ((size_t)p * stride + t) * hidden, h, s);
+      if ((m >> p) & 1u) add_row(c.comb + ((size_t)p * c.stride + t) * hidden, h, s);
     store_row(s, out + (size_t)t * hidden + h);
   }
   __syncthreads();
   if (threadIdx.x != 0) return;
-  if (atomicAdd(done, 1u) != gridDim.x - 1) return;
+  if (atomicAdd(c.done, 1u) != gridDim.x - 1) return;
   // Every block has read the epoch by now: the layer's exchange is over.
-  *epoch = *(volatile unsigned long long*)epoch + 1;
-  *done = 0;
+  *c.epoch = *(volatile unsigned long long*)c.epoch + 1;
+  *c.done = 0;
 }
 
 }  // namespace
@@ -363,21 +374,35 @@ cudaError_t ep_unpack_sum(const EpParts& parts, const int* pos, int count, int r
   return cudaGetLastError();
 }
 
-cudaError_t ep_send_back(const uint16_t* y, const int32_t* token, int rows, int hidden, int ranks,
-                         const EpRowsOut& out, const EpSignal& sig, cudaStream_t stream) {
-  if (rows <= 0) return cudaErrorInvalidValue;
-  launch_dependent(send_back_kernel, dim3(rows), dim3(kRowThreads), 0, stream, y, token, hidden,
-                   ranks, out, sig);
-  return cudaGetLastError();
+namespace {
+
+// Blocks of `kernel` (kRowThreads threads, no shared memory beyond its static) that the device
+// holds at once.
+template <typename Kernel>
+int resident_blocks(Kernel kernel) {
+  int per_sm = 0, device = 0, sms = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kRowThreads, 0) != cudaSuccess ||
+      cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return 0;
+  return per_sm * sms;
 }
 
-cudaError_t ep_reduce(const EpRouting& r, const uint16_t* comb, long long stride, int tokens,
-                      int hidden, const EpWait& w, unsigned long long* epoch, unsigned* done,
-                      uint16_t* out, cudaStream_t stream) {
-  const int total = tokens * (hidden / 8);
-  if (total <= 0) return cudaErrorInvalidValue;
-  launch_dependent(reduce_kernel, dim3((total + kRowThreads - 1) / kRowThreads), dim3(kRowThreads),
-                   0, stream, r, comb, stride, tokens, hidden, w, epoch, done, out);
+}  // namespace
+
+cudaError_t ep_combine_p2p(const EpRouting& r, const P2pCombine& c, int tokens, int hidden,
+                           uint16_t* out, cudaStream_t stream) {
+  const long long total = (long long)tokens * (hidden / 8);
+  if (c.rows <= 0 || total <= 0 || c.in.splits < 1 || (c.in.splits > 1 && c.in.bf16))
+    return cudaErrorInvalidValue;
+  auto* kernel = c.in.bf16 ? combine_p2p_kernel<__nv_bfloat16, false>
+                 : c.in.splits > 1 ? combine_p2p_kernel<float, true>
+                                   : combine_p2p_kernel<float, false>;
+  const int cap = resident_blocks(kernel);
+  if (cap <= 0) return cudaErrorUnknown;
+  const long long want = std::max<long long>(c.rows, (total + kRowThreads - 1) / kRowThreads);
+  const int grid = static_cast<int>(std::min<long long>(want, cap));
+  launch_dependent(kernel, dim3(grid), dim3(kRowThreads), 0, stream, r, c, tokens, hidden, out);
   return cudaGetLastError();
 }
 

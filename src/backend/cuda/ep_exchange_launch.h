@@ -35,8 +35,8 @@ struct EpDest {
 };
 
 // Completion flags written into peers (p2p): after every row of a kernel has landed, its last block
-// stores the current epoch (*epoch + 1) into flag[q] for each rank q. `done` counts finished
-// blocks and is left at zero.
+// stores the current epoch (*epoch + 1) into flag[q] for each rank q (with, from the dispatch, the
+// number of rows sent to q in the low bits). `done` counts finished blocks and is left at zero.
 struct EpSignal {
   unsigned long long* flag[kEpMaxRanks] = {};
   const unsigned long long* epoch = nullptr;
@@ -66,14 +66,17 @@ cudaError_t ep_pack(const uint16_t* x, const EpRouting& r, int begin, int count,
 // p2p dispatch in one launch: block b < count takes shard token begin + b, claims its row at
 // every rank that owns one of its experts with an atomic on cursor[p] (so rows land in no fixed
 // order; each row's result depends only on its own token) and writes it into that rank's memory.
-// The last block then pads every destination's slice to dest.pad_rows (ids and token -1),
-// signals every rank (sig), leaves cursor and sig.done at zero, and waits (bounded, `wait`) for
-// every rank's rows to this one: the experts can run as soon as the kernel ends.
+// The last block then signals every rank (sig, with the rows sent to it), leaves cursor and
+// sig.done at zero, waits (bounded, `wait`) for every rank's rows to this one and pads this
+// rank's own receive slices past the rows each sent (ids and token -1): the experts can run as
+// soon as the kernel ends.
 struct P2pDispatch {
   EpDest dest;
   EpSignal sig;
   EpWait wait;
   int* cursor = nullptr;  // [ranks], zero before the first launch
+  int32_t* recv_ids = nullptr;    // this rank's receive slices: [ranks, dest.pad_rows, top_k]
+  int32_t* recv_token = nullptr;  // [ranks, dest.pad_rows]
 };
 cudaError_t ep_dispatch_p2p(const uint16_t* x, const EpRouting& r, int begin, int count,
                             int hidden, const P2pDispatch& d, cudaStream_t stream);
@@ -91,19 +94,43 @@ struct EpParts {
 cudaError_t ep_unpack_sum(const EpParts& parts, const int* pos, int count, int ranks, int hidden,
                           uint16_t* out, cudaStream_t stream);
 
-// p2p combine, owner side: every received row with token >= 0 (y row i, its token token[i]) is
-// written to each rank q at dest[q] + token * hidden; then sig.
+// The experts' partial sums of the received rows, left un-combined (Experts::Partials): row i's
+// output is the sum of its slots i * top_k + j with ids >= 0, in slot order, then split order.
+struct EpSlotSums {
+  const void* sums = nullptr;
+  const int32_t* ids = nullptr;  // [rows, top_k] local expert ids, -1 for slots held elsewhere
+  int top_k = 0;
+  bool bf16 = false;  // bf16 sums, or f32
+  int splits = 1;
+  long long split_stride = 0;
+};
+
 struct EpRowsOut {
   uint16_t* dest[kEpMaxRanks] = {};
 };
-cudaError_t ep_send_back(const uint16_t* y, const int32_t* token, int rows, int hidden, int ranks,
-                         const EpRowsOut& out, const EpSignal& sig, cudaStream_t stream);
 
-// p2p combine, every rank: waits (bounded) for each owner's rows, then out[t] for all tokens = the
-// sum in rank order of comb + (p * stride + t) * hidden over the owners p of t's slots (from the
-// routing), rounded once; the last block advances *epoch (the end of the layer's exchange).
-cudaError_t ep_reduce(const EpRouting& r, const uint16_t* comb, long long stride, int tokens,
-                      int hidden, const EpWait& w, unsigned long long* epoch, unsigned* done,
-                      uint16_t* out, cudaStream_t stream);
+// The p2p combine, one kernel per rank:
+//  1. owner side: every received row i with token[i] >= 0 is summed from its slots (one bf16
+//     rounding, as the experts' own combine would store it) and written to each rank q at
+//     back.dest[q] + token[i] * hidden; then `sig` (the rank's last block raises the flags);
+//  2. every rank: waits (bounded) for each owner's rows, then out[t] for all tokens = the sum in
+//     rank order of comb + (p * stride + t) * hidden over the owners p of t's slots (from the
+//     routing), rounded once; the last block advances *epoch (the end of the layer's exchange).
+// Every block waits in step 2 for flags that step 1 of all blocks raises, so the grid is capped
+// at what the device holds at once and loops over rows and tokens.
+struct P2pCombine {
+  EpSlotSums in;
+  const int32_t* token = nullptr;  // [rows] the source token of each received row, -1: padding
+  int rows = 0;
+  EpRowsOut back;
+  EpSignal sig;
+  const uint16_t* comb = nullptr;  // [ranks, stride, hidden] rows back from each owner
+  long long stride = 0;
+  EpWait wait;
+  unsigned long long* epoch = nullptr;
+  unsigned* done = nullptr;
+};
+cudaError_t ep_combine_p2p(const EpRouting& r, const P2pCombine& c, int tokens, int hidden,
+                           uint16_t* out, cudaStream_t stream);
 
 }  // namespace moe::cuda::kernels

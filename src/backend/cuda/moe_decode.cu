@@ -20,6 +20,7 @@
 #include "backend/cuda/moe_decode_launch.h"
 #include "backend/cuda/moe_heuristics.h"
 #include "backend/cuda/pdl.h"
+#include "backend/cuda/slot_sums.cuh"
 
 namespace moe::cuda::kernels {
 
@@ -294,40 +295,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
   }
 }
 
-// s[0..8) = the sum of token t's k slots at columns [h, h + 8), in slot order (deterministic);
-// skipped slots (id -1) have no partial sum and add nothing. A slot's partial sum may come in
-// `splits` pieces (split-K of the wgmma down projection), `split_stride` slots apart, added in
-// split order too. The partial sums are read through L2 (__ldcg): in the GEMV path the combine
-// starts before the down grid has finished.
-template <typename Part, bool kSplit>
-__device__ __forceinline__ void sum_slots(const Part* __restrict__ part, const int* __restrict__ ids,
-                                          int t, int top_k, int hidden, int h, int splits,
-                                          long long split_stride, float (&s)[8]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) s[i] = 0.f;
-#pragma unroll 4  // loads of several slots in flight; the adds stay in slot order
-  for (int j = 0; j < top_k; ++j) {
-    if (__ldg(ids + (size_t)t * top_k + j) < 0) continue;
-    for (int sp = 0; sp < (kSplit ? splits : 1); ++sp) {
-      const Part* p = part + ((size_t)sp * split_stride + (size_t)t * top_k + j) * hidden + h;
-      if constexpr (sizeof(Part) == 4) {
-        const float4 a = __ldcg(reinterpret_cast<const float4*>(p));
-        const float4 b = __ldcg(reinterpret_cast<const float4*>(p) + 1);
-        s[0] += a.x, s[1] += a.y, s[2] += a.z, s[3] += a.w;
-        s[4] += b.x, s[5] += b.y, s[6] += b.z, s[7] += b.w;
-      } else {
-        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
-        const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const float2 f = __bfloat1622float2(q[c]);
-          s[2 * c] += f.x, s[2 * c + 1] += f.y;
-        }
-      }
-    }
-  }
-}
-
 // y[t, h] = sum over the k slots of token t (sum_slots). Eight outputs per thread (hidden is a
 // multiple of 8), 16-byte stores.
 template <typename Part, bool kSplit>
@@ -588,7 +555,11 @@ cudaError_t launch_grouped(const ExpertBuffers& b, const void* x, const float* w
 
 cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int tile_m,
                         cudaStream_t stream) {
-  return launch_dependent(plan_kernel, dim3(1), dim3(kPlanThreads), 0, stream, ids,
+  // Threads to match the slots (at least 4 warps): a small layer's plan (128 slots in the seed
+  // workload) is latency, and a block of 32 warps costs more to start and to synchronise.
+  const int slots = tokens * b.top_k;
+  const int threads = slots >= kPlanThreads ? kPlanThreads : slots <= 128 ? 128 : (slots + 31) / 32 * 32;
+  return launch_dependent(plan_kernel, dim3(1), dim3(threads), 0, stream, ids,
                           tokens * b.top_k, b.experts, tile_m, b.offsets, b.order, b.active,
                           b.num_active, b.tile_expert, b.tile_row, b.num_tiles);
 }
@@ -639,6 +610,10 @@ cudaError_t launch_decode(const ExpertBuffers& b, const void* x, const int* ids,
     if (err == cudaSuccess) err = launch_grouped(b, x, weights, tokens, stream);
   }
   if (err != cudaSuccess) return err;
+  if (b.leave_partials) {
+    *b.leave_partials = PartialSums{false};
+    return cudaSuccess;
+  }
   return combine(b, ids, tokens, PartialSums{false, 1, 0, true}, y, stream);
 }
 

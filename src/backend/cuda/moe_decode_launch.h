@@ -20,6 +20,16 @@ struct ResidualNorm {
   void* h = nullptr;  // bf16 [tokens, hidden]
 };
 
+// The form of the partial sums in ExpertBuffers::part that the combine adds up.
+struct PartialSums {
+  bool bf16 = false;  // bf16 [slots, hidden] (GEMM paths) or f32 (GEMV path, split-K)
+  // Split-K (f32 only): slot s's sum comes in `splits` pieces, at part[(i * split_stride + s) *
+  // hidden], i < splits, added in that order.
+  int splits = 1;
+  long long split_stride = 0;
+  bool chained = false;  // a programmatic dependent of the kernel before it (pdl.h)
+};
+
 // Device pointers, all carved by the caller from one workspace except the weights.
 struct ExpertBuffers {
   const void* gate_up;  // bf16 [experts, 2 * inter, hidden]: gate rows, then up rows
@@ -35,6 +45,9 @@ struct ExpertBuffers {
   void* part;           // [max slots, hidden] by slot: f32 (GEMV path) or bf16 (GEMM path)
   int experts, hidden, inter, top_k;
   ResidualNorm norm;  // see above; x == null: the plain combine into y
+  // Set: the launchers stop before the combine and describe the partial sums here instead (the
+  // p2p exchange sums the rows itself while sending them back).
+  PartialSums* leave_partials = nullptr;
 };
 
 // Counts, offsets, the per-expert slot lists and, when tile_m > 0, the GEMM row tiles. One block;
@@ -54,16 +67,6 @@ cudaError_t launch_decode(const ExpertBuffers& b, const void* x, const int* ids,
 cudaError_t launch_prefill(const ExpertBuffers& b, const void* x, const int* ids,
                            const float* weights, int tokens, int tile_m, void* y,
                            cudaStream_t stream);
-
-// The form of the partial sums in ExpertBuffers::part that the combine adds up.
-struct PartialSums {
-  bool bf16 = false;  // bf16 [slots, hidden] (GEMM paths) or f32 (GEMV path, split-K)
-  // Split-K (f32 only): slot s's sum comes in `splits` pieces, at part[(i * split_stride + s) *
-  // hidden], i < splits, added in that order.
-  int splits = 1;
-  long long split_stride = 0;
-  bool chained = false;  // a programmatic dependent of the kernel before it (pdl.h)
-};
 
 // y[t, h] = sum over j < top_k of part[t * top_k + j, h], in j order (deterministic), leaving
 // out the slots whose id is -1; with b.norm.x set, the residual add and norm of ResidualNorm

@@ -246,6 +246,10 @@ cudaError_t launch_prefill(const ExpertBuffers& b, const void* x, const int* ids
   err = tile_m == 64 ? run_gemms<64>(b, x, weights, max_tiles, stream)
                      : run_gemms<128>(b, x, weights, max_tiles, stream);
   if (err != cudaSuccess) return err;
+  if (b.leave_partials) {
+    *b.leave_partials = PartialSums{true};
+    return cudaSuccess;
+  }
   return launch_combine(b, ids, tokens, PartialSums{true}, y, stream);
 }
 

@@ -502,6 +502,21 @@ cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weight
 
 }  // namespace
 
+cudaError_t wgmma_partial_sums(const ExpertBuffers& b, int tokens, int tile_m, PartialSums* sums) {
+  const int max_tiles = static_cast<int>(
+      heuristics::max_row_tiles(static_cast<int64_t>(tokens) * b.top_k, b.experts, tile_m));
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  const bool narrow = heuristics::wgmma_narrow_tiles(max_tiles, b.hidden, sms);
+  *sums = PartialSums{};
+  sums->splits = narrow ? heuristics::wgmma_down_splits(max_tiles, b.hidden, b.inter) : 1;
+  sums->bf16 = sums->splits == 1;
+  sums->split_stride = static_cast<long long>(tokens) * b.top_k;
+  return cudaSuccess;
+}
+
 cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const int* ids,
                                  const float* weights, int tokens, int tile_m, void* y,
                                  cudaStream_t stream) {
@@ -510,13 +525,15 @@ cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const in
   const int max_tiles = static_cast<int>(
       heuristics::max_row_tiles(static_cast<int64_t>(tokens) * b.top_k, b.experts, tile_m));
   int device = 0, sms = 0;
+  PartialSums sums;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = wgmma_partial_sums(b, tokens, tile_m, &sums);
   if (err == cudaSuccess) err = launch_plan(b, ids, tokens, tile_m, stream);
   if (err != cudaSuccess) return err;
   const bool narrow = heuristics::wgmma_narrow_tiles(max_tiles, b.hidden, sms);
-  const int splits = narrow ? heuristics::wgmma_down_splits(max_tiles, b.hidden, b.inter) : 1;
-  const long long stride = static_cast<long long>(tokens) * b.top_k;
+  const int splits = sums.splits;
+  const long long stride = sums.split_stride;
   if (tile_m == 64)
     err = narrow ? run_gemms<64, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
                  : run_gemms<64, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
@@ -524,10 +541,10 @@ cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const in
     err = narrow ? run_gemms<128, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
                  : run_gemms<128, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
   if (err != cudaSuccess) return err;
-  PartialSums sums;
-  sums.bf16 = splits == 1;
-  sums.splits = splits;
-  sums.split_stride = stride;
+  if (b.leave_partials) {
+    *b.leave_partials = sums;
+    return cudaSuccess;
+  }
   sums.chained = true;
   return launch_combine(b, ids, tokens, sums, y, stream);
 }

@@ -18,4 +18,8 @@ cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const in
                                  const float* weights, int tokens, int tile_m, void* y,
                                  cudaStream_t stream);
 
+// The form in which launch_prefill_wgmma leaves the partial sums for `tokens` (bf16, or f32
+// split-K pieces on small grids).
+cudaError_t wgmma_partial_sums(const ExpertBuffers& b, int tokens, int tile_m, PartialSums* sums);
+
 }  // namespace moe::cuda::kernels

@@ -23,6 +23,11 @@ void Experts::forward_then_norm(const uint16_t*, const int32_t*, const float*, i
                                 const NextNorm&, void*, void*, ExpertPath) const {
   not_built();
 }
+Experts::Partials Experts::forward_partials(const uint16_t*, const int32_t*, const float*, int64_t,
+                                            void*, void*, ExpertPath) const {
+  not_built();
+}
+Experts::Partials Experts::partials_of(int64_t, void*, ExpertPath) const { not_built(); }
 ExpertPath Experts::path_for(int64_t) const { return ExpertPath::kAuto; }
 size_t Experts::weight_bytes() const { return 0; }
 
