@@ -221,26 +221,28 @@ const dist::EpBackend kBackends[] = {
     dist::EpBackend::kLocalAllreduce, dist::EpBackend::kAllgatherReducescatter,
     dist::EpBackend::kAlltoallPadded, dist::EpBackend::kAlltoallPacked, dist::EpBackend::kP2p};
 
+// Every backend the machine offers, on 2 GPUs and on all of them, against one GPU.
+void check_every_backend(const Problem& p, const std::string& label) {
+  const Bits want = one_gpu(p);
+  for (int ranks : group_sizes())
+    for (dist::EpBackend b : kBackends) {
+      std::string why;
+      if (!backend_available(b, ranks, &why)) {
+        std::printf("[ SKIPPED  ] %s on %d GPUs: %s\n", dist::ep_backend_name(b), ranks, why.c_str());
+        continue;
+      }
+      const std::string what = std::string(dist::ep_backend_name(b)) + ", " + std::to_string(ranks) +
+                               " GPUs, " + label;
+      expect_matches(run_ep(b, ranks, p), want, what.c_str(), p.shape.hidden);
+    }
+}
+
 TEST(CudaEp, EveryBackendMatchesOneGpu) {
   if (device_count() < 2) GTEST_SKIP() << "needs two or more CUDA devices";
-  for (int64_t tokens : {1, 7, 64, 300}) {
-    for (double skew : {1.0, 0.3}) {
-      const Problem p = make_problem(tokens, skew, static_cast<uint32_t>(tokens * 10 + (skew < 1)));
-      const Bits want = one_gpu(p);
-      for (int ranks : group_sizes())
-        for (dist::EpBackend b : kBackends) {
-          std::string why;
-          if (!backend_available(b, ranks, &why)) {
-            std::printf("[ SKIPPED  ] %s on %d GPUs: %s\n", dist::ep_backend_name(b), ranks, why.c_str());
-            continue;
-          }
-          const std::string what = std::string(dist::ep_backend_name(b)) + ", " +
-                                   std::to_string(ranks) + " GPUs, T=" + std::to_string(tokens) +
-                                   ", skew " + std::to_string(skew);
-          expect_matches(run_ep(b, ranks, p), want, what.c_str());
-        }
-    }
-  }
+  for (int64_t tokens : {1, 7, 64, 300})
+    for (double skew : {1.0, 0.3})
+      check_every_backend(make_problem(tokens, skew, static_cast<uint32_t>(tokens * 10 + (skew < 1))),
+                          "T=" + std::to_string(tokens) + ", skew " + std::to_string(skew));
 }
 
 // The seed workload's shape (8 experts, hidden 512, inter 1024, top-2) at the sizes the seed
@@ -248,21 +250,9 @@ TEST(CudaEp, EveryBackendMatchesOneGpu) {
 // f32 pieces per row while sending the rows back; every backend against one GPU.
 TEST(CudaEp, SeedShapeEveryBackendMatchesOneGpu) {
   if (device_count() < 2) GTEST_SKIP() << "needs two or more CUDA devices";
-  for (int64_t tokens : {8, 64, 128}) {
-    const Problem p = make_problem(tokens, 1.0, static_cast<uint32_t>(700 + tokens), kSeedShape);
-    const Bits want = one_gpu(p);
-    for (int ranks : group_sizes())
-      for (dist::EpBackend b : kBackends) {
-        std::string why;
-        if (!backend_available(b, ranks, &why)) {
-          std::printf("[ SKIPPED  ] %s on %d GPUs: %s\n", dist::ep_backend_name(b), ranks, why.c_str());
-          continue;
-        }
-        const std::string what = std::string(dist::ep_backend_name(b)) + ", seed shape, " +
-                                 std::to_string(ranks) + " GPUs, T=" + std::to_string(tokens);
-        expect_matches(run_ep(b, ranks, p), want, what.c_str(), kSeedShape.hidden);
-      }
-  }
+  for (int64_t tokens : {8, 64, 128})
+    check_every_backend(make_problem(tokens, 1.0, static_cast<uint32_t>(700 + tokens), kSeedShape),
+                        "seed shape, T=" + std::to_string(tokens));
 }
 
 // The p2p layer captured once per rank and replayed with the routing rewritten in place between
