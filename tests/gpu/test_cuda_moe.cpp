@@ -226,6 +226,63 @@ TEST(CudaMoe, SkippedSlotsAddNothingOnEveryPath) {
   }
 }
 
+// A rank may hold fewer experts than top-k (mixtral's 8 experts on 4 GPUs: 2 each, top-2; here
+// 2 held of 8, top-4): a token has 0, 1 or 2 local slots, the rest come in as -1. Every path
+// against the CPU on the global routing; tokens with no local slot must come out exactly zero.
+TEST(CudaMoe, FewerExpertsHeldThanTopK) {
+  REQUIRE_GPU();
+  std::mt19937 rng(51);
+  const int64_t global = 8, held = 2, first = 4, k = 4, hidden = 256, inter = 128;
+  const Layer l = make_layer(held, hidden, inter, rng);
+  const cuda::ExpertShape shape{held, hidden, inter, k};
+  std::vector<int32_t> local_of(static_cast<size_t>(global), -1);
+  for (int64_t e = 0; e < held; ++e) local_of[static_cast<size_t>(first + e)] = static_cast<int32_t>(e);
+  for (int64_t tokens : {1, 5, 64}) {
+    const auto ids = route(global, tokens, k, 1.0, rng);
+    std::vector<int32_t> local(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) local[i] = local_of[static_cast<size_t>(ids[i])];
+    const size_t n = static_cast<size_t>(tokens * hidden);
+    const auto x = gputest::random_bf16_exact(n, rng, 1.0f);
+    std::vector<float> weights(ids.size());
+    for (auto& v : weights) v = std::uniform_real_distribution<float>(0.1f, 1.0f)(rng);
+    Tensor xs = Tensor::zeros({tokens, hidden}), ref = Tensor::zeros({tokens, hidden});
+    std::copy(x.begin(), x.end(), xs.data<float>());
+    ThreadPool pool(0);
+    Arena arena("ws", 1 << 20);
+    ExpertPlan plan;
+    run_experts(ExecMode::kNaive, pool, arena, l.w, local_of, xs, ids.data(), weights.data(), k, ref, plan);
+    for (ExpertPath path : {ExpertPath::kGemv, ExpertPath::kGemm, ExpertPath::kWgmma}) {
+      if (!cuda::experts_support(shape, path)) continue;
+      if (path == ExpertPath::kWgmma && !device_is_sm90()) continue;
+      cuda::Experts gpu(l.gate_up.get(), l.down.get(), shape, tokens);
+      DeviceBuffer<unsigned char> ws(cuda::Experts::workspace_bytes(shape, tokens));
+      ws.poison();
+      DeviceBuffer<uint16_t> dx(gputest::to_bf16(x)), dy(n);
+      DeviceBuffer<int32_t> dids(local);
+      DeviceBuffer<float> dw(weights);
+      dy.poison();
+      gpu.forward(dx.get(), dids.get(), dw.get(), tokens, dy.get(), ws.get(), nullptr, path);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto y = gputest::from_bf16(dy.download());
+      double num = 0, den = 0;
+      for (int64_t t = 0; t < tokens; ++t) {
+        bool any = false;
+        for (int64_t j = 0; j < k; ++j) any = any || local[static_cast<size_t>(t * k + j)] >= 0;
+        for (int64_t h = 0; h < hidden; ++h) {
+          const size_t at = static_cast<size_t>(t * hidden + h);
+          ASSERT_TRUE(std::isfinite(y[at])) << "path " << static_cast<int>(path) << ", M=" << tokens;
+          if (!any) {
+            ASSERT_EQ(y[at], 0.0f) << "token " << t << " has no local slot";
+          }
+          num += (y[at] - ref.data<float>()[at]) * double(y[at] - ref.data<float>()[at]);
+          den += double(ref.data<float>()[at]) * ref.data<float>()[at];
+        }
+      }
+      EXPECT_LE(std::sqrt(num / den), kBound) << "path " << static_cast<int>(path) << ", M=" << tokens;
+    }
+  }
+}
+
 TEST(CudaMoe, MostExpertsIdleAndWidthsNotMultiplesOf256) {
   REQUIRE_GPU();
   // 64 experts, one token with two of them: 62 experts get nothing; widths 1408 and 520 leave

@@ -106,12 +106,27 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_hidden_kernel(
   int span = 32;
   while (span > 1 && span * p.experts > 32) span >>= 1;
   const int per_pass = 32 / span, part = lane % span;
+  // Loads in batches of kBatch per lane, all issued before the first is used (a plain loop
+  // keeps one pair in flight: 16 round trips in a row at hidden 512 and 8 experts); the adds
+  // stay in chunk order.
+  constexpr int kBatch = 8;
   for (int e0 = 0; e0 < p.experts; e0 += per_pass) {
     const int e = e0 + lane / span;
     float sum = 0.0f;
     if (e < p.experts) {
       const uint4* wr = reinterpret_cast<const uint4*>(w + static_cast<size_t>(e) * hidden);
-      for (int c = part; c < chunks; c += span) sum += dot_bf16x8(__ldg(wr + c), __ldg(xr + c));
+      for (int c0 = part; c0 < chunks; c0 += kBatch * span) {
+        uint4 wv[kBatch], xv[kBatch];
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          const int c = c0 + i * span;
+          wv[i] = c < chunks ? __ldg(wr + c) : make_uint4(0, 0, 0, 0);
+          xv[i] = c < chunks ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i)
+          if (c0 + i * span < chunks) sum += dot_bf16x8(wv[i], xv[i]);
+      }
     }
     for (int o = span / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(kFull, sum, o);
     if (part == 0 && e < p.experts) s_logit[warp][e] = sum;
