@@ -24,21 +24,43 @@ double since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Parameters one token reads outside the routed experts (attention, router, shared and dense
-// MLPs, lm_head; the embedding row is negligible), and those of one routed expert.
+// What GPU 0 reads per decode step and computes per prefill token under --tp tp --ep ep (all of
+// it on one GPU): parameters outside the routed experts (attention, router, shared and dense
+// MLPs, lm_head; the embedding row is negligible), those of one routed expert (1/ep of each
+// expert's share of the batch, which splits evenly under uniform routing), the KV cache bytes
+// per token of context, and the attention width that multiplies the context in prefill.
 struct ReadCounts {
   double fixed = 0, per_expert = 0;
-  double attention = 0;  // the attention part of `fixed`
+  double kv_token_bytes = 0;
+  double attention_width = 0;  // over all layers and this GPU's heads: (QK width + PV width) / 2
 };
 
-ReadCounts read_counts(const ModelConfig& c) {
+ReadCounts read_counts(const ModelConfig& c, int tp, int ep) {
   ReadCounts r;
-  const double h = static_cast<double>(c.hidden_size);
-  const double attn = h * static_cast<double>((c.num_heads + 2 * c.num_kv_heads) * c.head_dim) +
-                      static_cast<double>(c.num_heads * c.head_dim) * h;
+  const double h = static_cast<double>(c.hidden_size), heads = static_cast<double>(c.num_heads) / tp;
+  const double layers = static_cast<double>(c.num_layers);
+  double attn = 0;
+  if (c.attention == AttentionKind::kMla) {
+    // Each GPU runs its heads' query, absorbed key/value and output projections; the latent
+    // projections (q_a, kv_a) and the latent cache are whole on every GPU.
+    const MlaConfig& m = c.mla;
+    const double qk = static_cast<double>(m.qk_head_dim()), lora = static_cast<double>(m.kv_lora_rank);
+    const double rope = static_cast<double>(m.qk_rope_head_dim), vd = static_cast<double>(m.v_head_dim);
+    const double q_in = m.q_lora_rank > 0 ? static_cast<double>(m.q_lora_rank) : h;
+    attn = (m.q_lora_rank > 0 ? h * q_in : 0) + heads * qk * q_in + h * (lora + rope) +
+           heads * lora * (static_cast<double>(m.qk_nope_head_dim) + vd) + heads * vd * h;
+    r.kv_token_bytes = layers * (lora + rope) * 2;
+    r.attention_width = layers * heads * (2 * lora + rope) / 2;
+  } else {
+    const double hd = static_cast<double>(c.head_dim);
+    const double kv_heads = tp == 1 ? static_cast<double>(c.num_kv_heads)
+                                    : std::max(1.0, static_cast<double>(c.num_kv_heads) / tp);
+    attn = h * (heads + 2 * kv_heads) * hd + heads * hd * h;
+    r.kv_token_bytes = layers * 2 * kv_heads * hd * 2;
+    r.attention_width = layers * heads * hd;
+  }
   for (int64_t l = 0; l < c.num_layers; ++l) {
     r.fixed += attn;
-    r.attention += attn;
     if (c.moe_layers[static_cast<size_t>(l)]) {
       r.fixed += h * static_cast<double>(c.moe.num_experts) + 3 * h * static_cast<double>(c.moe.shared_intermediate);
     } else {
@@ -46,7 +68,7 @@ ReadCounts read_counts(const ModelConfig& c) {
     }
   }
   r.fixed += h * static_cast<double>(c.vocab_size);
-  r.per_expert = 3 * h * static_cast<double>(c.moe.intermediate_size);
+  r.per_expert = 3 * h * static_cast<double>(c.moe.intermediate_size) / ep;
   return r;
 }
 
@@ -157,21 +179,12 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   // Floors. Decode: every fixed weight once per step, the distinct experts the batch's tokens
   // touch (expected count under uniform routing) and the KV cache, at the copy bandwidth.
   // Prefill: 2 FLOPs per active parameter per token plus causal attention, at the matmul rate.
-  // On several GPUs the floor is GPU 0's share, which reads the most: 1/tp of the attention and
-  // of the KV cache, 1/ep of the touched experts, all the rest (router, dense and shared MLPs,
-  // lm_head) whole; prefill FLOPs split the same way.
-  ReadCounts rc = read_counts(mc);
-  {
-    const double attention_kept = rc.attention / a.tp;
-    rc.fixed -= rc.attention - attention_kept;
-    rc.attention = attention_kept;
-    rc.per_expert /= a.ep;
-  }
+  // On several GPUs the floor is GPU 0's share, which reads the most (read_counts).
+  const ReadCounts rc = read_counts(mc, a.tp, a.ep);
   const double e = static_cast<double>(std::max<int64_t>(mc.moe.num_experts, 1));
   const double k = static_cast<double>(mc.moe.top_k);
   const double moe_layers = static_cast<double>(mc.num_moe_layers());
-  const int64_t kv_heads = a.tp == 1 ? mc.num_kv_heads : std::max<int64_t>(1, mc.num_kv_heads / a.tp);
-  const double kv_token_bytes = static_cast<double>(mc.num_layers * 2 * kv_heads * mc.head_dim) * 2;
+  const double kv_token_bytes = rc.kv_token_bytes;
   auto decode_floor = [&](int batch, double* bytes) {
     const double touched = mc.moe.num_experts > 0 ? e * (1.0 - std::pow(1.0 - k / e, batch)) : 0.0;
     const double context = a.input_len + a.output_len / 2.0;
@@ -180,8 +193,7 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   };
   const double active = rc.fixed + k * rc.per_expert * moe_layers;
   auto prefill_flops = [&](int n) {
-    return 2.0 * active * n + 2.0 * static_cast<double>(mc.num_layers * mc.num_heads / a.tp * mc.head_dim) *
-                                  static_cast<double>(n) * static_cast<double>(n + 1);
+    return 2.0 * active * n + 2.0 * rc.attention_width * static_cast<double>(n) * static_cast<double>(n + 1);
   };
   // With a profile, the experts the step really touched (random weights do not route
   // uniformly): the floor of that step.

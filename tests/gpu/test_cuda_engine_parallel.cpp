@@ -27,11 +27,11 @@ using test::reference;
 
 using gputest::gpu_count;
 
-// Attention splits over the GPUs unless the model's attention cannot be split (latent
-// attention, a q/k norm over every head): those run tp 1, ep n.
+// Attention splits over the GPUs (grouped-query and latent alike) unless a q/k norm spans every
+// head: those run tp 1, ep n.
 int tp_for(const std::string& dir, int n) {
   const ModelConfig mc = load_model_config(dir);
-  return mc.attention == AttentionKind::kMla || mc.qk_norm == QkNorm::kFull ? 1 : n;
+  return mc.qk_norm == QkNorm::kFull ? 1 : n;
 }
 
 std::unique_ptr<cuda::Engine> load(const std::string& dir, int tp, int ep, bool graphs = true, bool fuse = true) {
@@ -208,8 +208,9 @@ TEST(CudaEngineParallel, RefusesSplitsItCannotRun) {
   EXPECT_EQ(test::error_kind_of([] { cuda::engine_ranks(0, 1); }), ErrorKind::kInvalidArgument);
   EXPECT_EQ(cuda::engine_ranks(1, 3), 3);
   std::string why;
-  EXPECT_EQ(test::error_kind_of([] { load(fixture_dir("deepseek_v2_f32"), 2, 2); }, &why), ErrorKind::kUnsupported);
-  EXPECT_NE(why.find("latent attention"), std::string::npos) << why;
+  EXPECT_EQ(test::error_kind_of([] { load(fixture_dir("deepseek_v2_f32"), 3, 3); }, &why), ErrorKind::kUnsupported)
+      << "4 latent-attention heads over 3 GPUs";
+  EXPECT_NE(why.find("do not split"), std::string::npos) << why;
   EXPECT_EQ(test::error_kind_of([] { load(fixture_dir("olmoe_f32"), 2, 2); }, &why), ErrorKind::kUnsupported);
   EXPECT_NE(why.find("q/k norm"), std::string::npos) << why;
   EXPECT_EQ(test::error_kind_of([] { load(fixture_dir("qwen3_moe_f32"), 3, 3); }, &why), ErrorKind::kUnsupported);

@@ -312,7 +312,7 @@ struct Engine::State {
     const ModelConfig& c = config;
     const MlaConfig& m = c.mla;
     const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
-    const int64_t heads = c.num_heads, nope = m.qk_nope_head_dim, rope = m.qk_rope_head_dim;
+    const int64_t heads = model->q_heads, nope = m.qk_nope_head_dim, rope = m.qk_rope_head_dim;
     const int64_t lora = m.kv_lora_rank, vd = m.v_head_dim, qk = m.qk_head_dim();
     constexpr float kLatentNormEps = 1e-6f;  // transformers builds these norms with its default
     if (L.q_a) {
@@ -377,6 +377,7 @@ struct Engine::State {
     mark("absorbed value projection");
     blas->linear(ws.attn, L.o, ws.branch, OutType::kBf16, tokens, c.hidden_size, heads * vd, stream);
     mark("o projection");
+    sum_head_shares(L, tokens);
   }
 
   void attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max_context) {
@@ -436,11 +437,15 @@ struct Engine::State {
     mark("attention");
     blas->linear(ws.attn, L.o, ws.branch, OutType::kBf16, tokens, c.hidden_size, qw, stream);
     mark("o projection");
+    sum_head_shares(L, tokens);
+  }
+
+  // Under tp each rank's output projection covers its heads only: sum the shares over the
+  // ranks, and where the router does not fold the post-attention norm itself, fold it into the sum.
+  void sum_head_shares(const DeviceLayer& L, int64_t tokens) {
     if (!tp) return;
-    // Each rank holds its heads' share of the projection: sum the shares, and where the router
-    // does not fold the post-attention norm itself, fold it into the sum.
     if (opts.fuse && !(L.sparse && fused_router(tokens))) {
-      const PeerAllReduce::AddNorm norm{ws.x, nullptr, L.post_norm, c.rms_norm_eps, ws.h};
+      const PeerAllReduce::AddNorm norm{ws.x, nullptr, L.post_norm, config.rms_norm_eps, ws.h};
       all_reduce(ws.branch, tokens, &norm);
       post_normed = true;
     } else {

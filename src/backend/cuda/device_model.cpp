@@ -83,8 +83,6 @@ void check_parallel_supported(const ModelConfig& mc, int ranks, bool tp) {
   MOE_CHECK(mc.moe.num_experts >= ranks, kInvalidArgument, "ep {} is larger than the number of experts {}",
             ranks, mc.moe.num_experts);
   if (!tp) return;
-  MOE_CHECK(mc.attention != AttentionKind::kMla, kUnsupported,
-            "{}: tensor-parallel latent attention is not implemented; use --tp 1", mc.architecture);
   MOE_CHECK(mc.qk_norm != QkNorm::kFull, kUnsupported,
             "{}: its q/k norm spans every head, which tensor-parallel attention cannot split; use --tp 1",
             mc.architecture);
@@ -175,18 +173,30 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     if (!t.defined()) return nullptr;
     return static_cast<const uint16_t*>(model->mirror.base()) + layout->offset_of(t.data<float>()) / 4;
   };
+  // Columns [first, first + width) of a [hidden, columns] matrix (an output projection's share
+  // under tp), as a dense [hidden, width] matrix in the derived arena.
+  auto gather_columns = [&](const uint16_t* m, int64_t columns, int64_t first, int64_t width) -> const uint16_t* {
+    uint16_t* out = model->derived.take_n<uint16_t>(static_cast<size_t>(mc.hidden_size * width));
+    MOE_CUDA_CHECK(cudaMemcpy2D(out, static_cast<size_t>(width) * 2, m + first, static_cast<size_t>(columns) * 2,
+                                static_cast<size_t>(width) * 2, static_cast<size_t>(mc.hidden_size),
+                                cudaMemcpyDeviceToDevice));
+    return out;
+  };
 
-  if (mc.attention == AttentionKind::kMla)
-    model->derived = DeviceArena("derived weights", static_cast<size_t>(mc.num_layers) *
-                                                        (static_cast<size_t>(mc.num_heads * mc.mla.kv_lora_rank *
-                                                                             mc.mla.qk_nope_head_dim) * 2 + 256) + 256);
-  // Under tp, each rank's rows of q, k and v back to back (one projection, as on one GPU) and
-  // its columns of the output projection, each gathered into a dense matrix.
-  if (split_heads)
-    model->derived = DeviceArena("attention slices",
-                                 static_cast<size_t>(mc.num_layers) *
-                                     (static_cast<size_t>(mc.hidden_size * (2 * q_heads + 2 * kv_heads) * mc.head_dim) * 2 +
-                                      512) + 256);
+  // Weights rearranged at load, per layer. Latent attention: this rank's heads' absorbed keys,
+  // and under tp its columns of the output projection. Grouped-query attention under tp: the
+  // rank's rows of q, k and v back to back (one projection, as on one GPU) and its columns of
+  // the output projection, each gathered into a dense matrix.
+  const bool mla = mc.attention == AttentionKind::kMla;
+  size_t derived_per_layer = 0;
+  if (mla)
+    derived_per_layer = static_cast<size_t>(q_heads * mc.mla.kv_lora_rank * mc.mla.qk_nope_head_dim) * 2 +
+                        (split_heads ? static_cast<size_t>(mc.hidden_size * q_heads * mc.mla.v_head_dim) * 2 : 0);
+  else if (split_heads)
+    derived_per_layer = static_cast<size_t>(mc.hidden_size * (2 * q_heads + 2 * kv_heads) * mc.head_dim) * 2;
+  if (derived_per_layer)
+    model->derived = DeviceArena(mla ? "derived weights" : "attention slices",
+                                 static_cast<size_t>(mc.num_layers) * (derived_per_layer + 512) + 256);
   model->q_heads = q_heads;
   model->kv_heads = kv_heads;
   model->first_expert = first_expert;
@@ -211,7 +221,7 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     d.o = bf16(a.o);
     d.qkv_fused = d.k == d.q + a.q.numel() && d.v == d.k + a.k.numel();
     const int64_t hd = mc.head_dim;
-    if (split_heads && mc.attention != AttentionKind::kMla) {
+    if (split_heads && !mla) {
       // Rows of q, k and v are contiguous per head; the output projection's columns are not.
       const int64_t qw = mc.num_heads * hd, qw_local = q_heads * hd, kw_local = kv_heads * hd;
       const size_t row = static_cast<size_t>(mc.hidden_size) * 2;
@@ -226,11 +236,7 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
       d.k = qkv + qw_local * mc.hidden_size;
       d.v = d.k + kw_local * mc.hidden_size;
       d.qkv_fused = true;
-      uint16_t* o = model->derived.take_n<uint16_t>(static_cast<size_t>(mc.hidden_size * qw_local));
-      MOE_CUDA_CHECK(cudaMemcpy2D(o, static_cast<size_t>(qw_local) * 2, d.o + q_first * hd,
-                                  static_cast<size_t>(qw) * 2, static_cast<size_t>(qw_local) * 2,
-                                  static_cast<size_t>(mc.hidden_size), cudaMemcpyDeviceToDevice));
-      d.o = o;
+      d.o = gather_columns(d.o, qw, q_first * hd, qw_local);
     }
     if (mc.qkv_bias) {
       std::vector<float> bias;
@@ -244,21 +250,27 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     }
     d.q_norm = f32(a.q_norm);
     d.k_norm = f32(a.k_norm);
-    if (mc.attention == AttentionKind::kMla) {
+    if (mla) {
+      // Every rank computes the whole latent (kv_a, its norm, the cache): it is shared by all
+      // heads and small. Under tp a rank runs its heads only: their rows of the query
+      // projection and of kv_b (each contiguous per head), and their columns of o.
+      const MlaConfig& m = mc.mla;
+      const int64_t qk = m.qk_head_dim(), kv_b_head = (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank;
       d.q_a = bf16(a.q_a);
-      d.q_b = bf16(a.q_b);
       d.q_a_norm = f32(a.q_a_norm);
+      if (d.q_a) d.q_b = bf16(a.q_b) + q_first * qk * m.q_lora_rank;
+      else d.q += q_first * qk * mc.hidden_size;
       d.kv_a = bf16(a.kv_a);
       d.kv_a_norm = f32(a.kv_a_norm);
-      const MlaConfig& m = mc.mla;
-      const uint16_t* kv_b = bf16(a.kv_b);
+      const uint16_t* kv_b = bf16(a.kv_b) + q_first * kv_b_head;
       d.uv = kv_b + m.qk_nope_head_dim * m.kv_lora_rank;
-      uint16_t* uk_t = model->derived.take_n<uint16_t>(static_cast<size_t>(mc.num_heads * m.kv_lora_rank * m.qk_nope_head_dim));
-      MOE_CUDA_CHECK(kernels::extract_uk_transposed(kv_b, static_cast<int>(mc.num_heads),
+      uint16_t* uk_t = model->derived.take_n<uint16_t>(static_cast<size_t>(q_heads * m.kv_lora_rank * m.qk_nope_head_dim));
+      MOE_CUDA_CHECK(kernels::extract_uk_transposed(kv_b, static_cast<int>(q_heads),
                                                     static_cast<int>(m.qk_nope_head_dim),
                                                     static_cast<int>(m.v_head_dim),
                                                     static_cast<int>(m.kv_lora_rank), uk_t, nullptr));
       d.uk_t = uk_t;
+      if (split_heads) d.o = gather_columns(d.o, mc.num_heads * m.v_head_dim, q_first * m.v_head_dim, q_heads * m.v_head_dim);
     }
     d.sparse = lw.sparse;
     if (lw.sparse) {

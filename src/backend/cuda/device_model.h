@@ -39,7 +39,7 @@ struct DeviceLayer {
 struct DeviceModel {
   DeviceArena mirror;   // bf16 matrices
   DeviceArena small;    // f32 rank-1 tensors, rotary frequencies
-  DeviceArena derived;  // weights rearranged at load (latent attention's absorbed keys)
+  DeviceArena derived;  // weights rearranged at load (absorbed keys; a rank's attention slices)
   const uint16_t* embed = nullptr;
   const uint16_t* lm_head = nullptr;
   const float* final_norm = nullptr;
@@ -66,7 +66,7 @@ struct DeviceLoad {
   bool tp = false;
 };
 
-// Throws kUnsupported for a model the parallel settings cannot split (latent attention or a
+// Throws kUnsupported for a model the parallel settings cannot split (a
 // whole-width q/k norm under tp, heads that do not divide), kInvalidArgument for more ranks
 // than experts.
 void check_parallel_supported(const ModelConfig& mc, int ranks, bool tp);
