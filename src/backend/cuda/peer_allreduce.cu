@@ -17,6 +17,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxRanks = PeerAllReduce::kMaxRanks;
 constexpr int kMaxBlocks = PeerAllReduce::kMaxBlocks;
+constexpr int64_t kMaxNormHidden = PeerAllReduce::kMaxNormHidden;
 
 struct Args {
   uint16_t* data;
@@ -27,6 +28,9 @@ struct Args {
   uint16_t* inbox[kMaxRanks];  // each rank's inbox
   unsigned* flags[kMaxRanks];  // each rank's flags
   unsigned* epochs;            // this rank's
+  uint4* ll_inbox[kMaxRanks];  // each rank's LL inbox
+  unsigned* ll_epochs;         // this rank's: LL calls completed, one counter per block
+  int64_t ll_slot;             // 16-byte LL lines of one (parity, source) slot
   int* status;                 // this rank's
   long long timeout_ns;
   PeerAllReduce::AddNorm norm;  // folded when norm.weight is set
@@ -82,6 +86,168 @@ __device__ __forceinline__ void rank_sum(const Args& a, const uint16_t* mine, si
     out[2 * c] = r.x;
     out[2 * c + 1] = r.y;
   }
+}
+
+// The folded residual add and norm of one row (whole row per block): v[c] holds this thread's
+// summed vectors c = tid, tid + kThreads, ... (at most kNormVectorsPerThread).
+constexpr int kNormVectorsPerThread = 4;
+static_assert(kNormVectorsPerThread * kThreads * 8 == kMaxNormHidden, "one row's vectors in registers");
+
+// residual += sum (+ extra) as add_rms_norm adds; returns the values in v.
+__device__ __forceinline__ void add_residual(const Args& a, int64_t r, int c, const float (&s)[8],
+                                             float (&v)[8]) {
+  const int hidden = a.vectors * 8;
+  float* x = a.norm.residual + r * hidden;
+  const float4 lo = reinterpret_cast<const float4*>(x)[2 * c], hi = reinterpret_cast<const float4*>(x)[2 * c + 1];
+  const float in[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = in[k] + s[k];
+  if (a.norm.extra) {
+    const uint4 w = reinterpret_cast<const uint4*>(a.norm.extra + r * hidden)[c];
+    const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __bfloat1622float2(q[k]);
+      v[2 * k] += f.x;
+      v[2 * k + 1] += f.y;
+    }
+  }
+  reinterpret_cast<float4*>(x)[2 * c] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(x)[2 * c + 1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+__device__ __forceinline__ void store_normed(const Args& a, int64_t r, int c, const float (&v)[8], float inv) {
+  const int hidden = a.vectors * 8;
+  const float4 wl = reinterpret_cast<const float4*>(a.norm.weight)[2 * c];
+  const float4 wh = reinterpret_cast<const float4*>(a.norm.weight)[2 * c + 1];
+  uint4 out;
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+  o[0] = __floats2bfloat162_rn(wl.x * (v[0] * inv), wl.y * (v[1] * inv));
+  o[1] = __floats2bfloat162_rn(wl.z * (v[2] * inv), wl.w * (v[3] * inv));
+  o[2] = __floats2bfloat162_rn(wh.x * (v[4] * inv), wh.y * (v[5] * inv));
+  o[3] = __floats2bfloat162_rn(wh.z * (v[6] * inv), wh.w * (v[7] * inv));
+  reinterpret_cast<uint4*>(a.norm.normed + r * hidden)[c] = out;
+}
+
+__device__ __forceinline__ void store_volatile(uint4* p, uint4 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ uint4 load_volatile(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+// Small calls (decode steps): the LL form. Each 8-byte word a sender stores carries 4 bytes of
+// data beside the call's epoch, and an 8-byte store arrives whole, so a receiver that sees the
+// epoch in both words of a line has its data: no fence, no separate flag, one trip over NVLink
+// instead of stores, fence, flag and poll. It moves twice the bytes, hence only for small calls.
+//
+// Every call launches all kMaxBlocks blocks and each bumps its own epoch counter, so all
+// counters stay equal to the number of LL calls: a line left in the inbox by any earlier call
+// holds an older epoch whichever block wrote it. Block b sums row b (rows <= kMaxBlocks). The
+// inboxes are double-buffered by epoch parity as in the flag form, for the same reason.
+__global__ void __launch_bounds__(kThreads) peer_allreduce_ll_kernel(Args a) {
+  __shared__ float red[kThreads / 32];
+  kernels::begin_dependent();  // first: see pdl.h
+  const int b = blockIdx.x, tid = threadIdx.x;
+  const unsigned e = a.ll_epochs[b] + 1;
+  const size_t parity = e & 1u;
+  const int64_t r = b;
+  const bool mine_row = r < a.rows;
+  const int64_t base = r * a.vectors;
+  const uint4* src = reinterpret_cast<const uint4*>(a.data);
+  if (mine_row) {
+    for (int c = tid; c < a.vectors; c += kThreads) {
+      const uint4 x = src[base + c];
+      for (int p = 0; p < a.ranks; ++p) {
+        if (p == a.rank) continue;
+        uint4* dst = a.ll_inbox[p] + (parity * a.ranks + a.rank) * a.ll_slot + 2 * (base + c);
+        store_volatile(dst, make_uint4(x.x, e, x.y, e));
+        store_volatile(dst + 1, make_uint4(x.z, e, x.w, e));
+      }
+    }
+  }
+  const uint4* inbox = a.ll_inbox[a.rank] + parity * a.ranks * a.ll_slot;
+  bool ok = true;
+  // Vector c of row r summed over the ranks in rank order (f32, rounded once, as rank_sum).
+  auto sum = [&](int c, float (&out)[8]) {
+    float s[8] = {};
+    for (int p = 0; p < a.ranks; ++p) {
+      uint4 x;
+      if (p == a.rank) {
+        x = src[base + c];
+      } else {
+        const uint4* line = inbox + p * a.ll_slot + 2 * (base + c);
+        uint4 l0 = load_volatile(line), l1 = load_volatile(line + 1);
+        const unsigned long long start = now_ns();
+        volatile int* status = a.status;
+        for (int spin = 0; ok && (l0.y != e || l0.w != e || l1.y != e || l1.w != e); ++spin) {
+          if ((spin & 255) == 255 && (*status != 0 || static_cast<long long>(now_ns() - start) > a.timeout_ns)) {
+            atomicCAS(a.status, 0, p + 1);
+            ok = false;
+          }
+          l0 = load_volatile(line);
+          l1 = load_volatile(line + 1);
+        }
+        x = make_uint4(l0.x, l0.z, l1.x, l1.z);
+      }
+      const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&x);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(q[k]);
+        s[2 * k] += f.x;
+        s[2 * k + 1] += f.y;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __bfloat1622float2(__floats2bfloat162_rn(s[2 * k], s[2 * k + 1]));
+      out[2 * k] = f.x;
+      out[2 * k + 1] = f.y;
+    }
+  };
+  if (mine_row && !a.norm.weight) {
+    for (int c = tid; c < a.vectors; c += kThreads) {
+      float s[8];
+      sum(c, s);
+      if (!ok) break;
+      uint4 out;
+      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) o[k] = __floats2bfloat162_rn(s[2 * k], s[2 * k + 1]);
+      reinterpret_cast<uint4*>(a.data)[base + c] = out;
+    }
+  } else if (mine_row) {
+    float v[kNormVectorsPerThread][8];
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kNormVectorsPerThread; ++i) {
+      const int c = tid + i * kThreads;
+      if (c >= a.vectors) break;
+      float s[8];
+      sum(c, s);
+      if (ok) add_residual(a, r, c, s, v[i]);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) ss += ok ? v[i][k] * v[i][k] : 0.0f;
+    }
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / static_cast<float>(a.vectors * 8) + a.norm.eps);
+#pragma unroll
+    for (int i = 0; i < kNormVectorsPerThread; ++i) {
+      const int c = tid + i * kThreads;
+      if (c >= a.vectors || !ok) break;
+      store_normed(a, r, c, v[i], inv);
+    }
+  }
+  __syncthreads();  // every thread has read the epoch
+  if (tid == 0) a.ll_epochs[b] = e;
 }
 
 __global__ void __launch_bounds__(kThreads) peer_allreduce_kernel(Args a) {
@@ -145,43 +311,26 @@ __global__ void __launch_bounds__(kThreads) peer_allreduce_kernel(Args a) {
     }
   } else if (!failed) {
     // Row by row: residual += sum (+ extra) as add_rms_norm adds, then the norm of the row.
-    const int hidden = a.vectors * 8;
     for (int64_t r = r0; r < r1; ++r) {
-      float* x = a.norm.residual + r * hidden;
+      float v[kNormVectorsPerThread][8];
       float ss = 0.0f;
-      for (int c = tid; c < a.vectors; c += kThreads) {
+#pragma unroll
+      for (int i = 0; i < kNormVectorsPerThread; ++i) {
+        const int c = tid + i * kThreads;
+        if (c >= a.vectors) break;
         float s[8];
         rank_sum(a, mine, slot, r * a.vectors + c, s);
-        float4 lo = reinterpret_cast<const float4*>(x)[2 * c], hi = reinterpret_cast<const float4*>(x)[2 * c + 1];
-        float v[8] = {lo.x + s[0], lo.y + s[1], lo.z + s[2], lo.w + s[3], hi.x + s[4], hi.y + s[5], hi.z + s[6], hi.w + s[7]};
-        if (a.norm.extra) {
-          const uint4 w = reinterpret_cast<const uint4*>(a.norm.extra + r * hidden)[c];
-          const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&w);
+        add_residual(a, r, c, s, v[i]);
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const float2 f = __bfloat1622float2(q[k]);
-            v[2 * k] += f.x;
-            v[2 * k + 1] += f.y;
-          }
-        }
-        reinterpret_cast<float4*>(x)[2 * c] = make_float4(v[0], v[1], v[2], v[3]);
-        reinterpret_cast<float4*>(x)[2 * c + 1] = make_float4(v[4], v[5], v[6], v[7]);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) ss += v[k] * v[k];
+        for (int k = 0; k < 8; ++k) ss += v[i][k] * v[i][k];
       }
       ss = block_sum(ss, red);
-      const float inv = 1.0f / sqrtf(ss / static_cast<float>(hidden) + a.norm.eps);
-      for (int c = tid; c < a.vectors; c += kThreads) {  // the same thread's own stores: visible
-        const float4 lo = reinterpret_cast<const float4*>(x)[2 * c], hi = reinterpret_cast<const float4*>(x)[2 * c + 1];
-        const float4 wl = reinterpret_cast<const float4*>(a.norm.weight)[2 * c];
-        const float4 wh = reinterpret_cast<const float4*>(a.norm.weight)[2 * c + 1];
-        uint4 out;
-        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-        o[0] = __floats2bfloat162_rn(wl.x * (lo.x * inv), wl.y * (lo.y * inv));
-        o[1] = __floats2bfloat162_rn(wl.z * (lo.z * inv), wl.w * (lo.w * inv));
-        o[2] = __floats2bfloat162_rn(wh.x * (hi.x * inv), wh.y * (hi.y * inv));
-        o[3] = __floats2bfloat162_rn(wh.z * (hi.z * inv), wh.w * (hi.w * inv));
-        reinterpret_cast<uint4*>(a.norm.normed + r * hidden)[c] = out;
+      const float inv = 1.0f / sqrtf(ss / static_cast<float>(a.vectors * 8) + a.norm.eps);
+#pragma unroll
+      for (int i = 0; i < kNormVectorsPerThread; ++i) {
+        const int c = tid + i * kThreads;
+        if (c >= a.vectors) break;
+        store_normed(a, r, c, v[i], inv);
       }
     }
   }
@@ -206,7 +355,10 @@ PeerAllReduce::PeerAllReduce(const std::vector<int>& devices, int64_t max_elemen
   const size_t inbox = align_up(2 * static_cast<size_t>(n) * static_cast<size_t>(max_elements) * 2);
   const size_t flags = align_up(static_cast<size_t>(n) * kMaxBlocks * 4);
   const size_t epochs = align_up(kMaxBlocks * 4);
-  bytes_ = inbox + flags + epochs + 256;
+  // LL lines: two of 16 bytes per 8 elements.
+  ll_slot_ = std::min<int64_t>(max_elements, kLlMaxElements / std::max(1, n - 1)) / 8 * 2;
+  const size_t ll_inbox = align_up(2 * static_cast<size_t>(n) * static_cast<size_t>(ll_slot_) * 16);
+  bytes_ = inbox + flags + epochs * 2 + 256 + ll_inbox;
   enable_peer_access(devices);
   for (int d : devices) {
     MOE_CUDA_CHECK(cudaSetDevice(d));
@@ -217,7 +369,10 @@ PeerAllReduce::PeerAllReduce(const std::vector<int>& devices, int64_t max_elemen
     r.inbox = reinterpret_cast<uint16_t*>(base);
     r.flags = reinterpret_cast<unsigned*>(base + inbox);
     r.epochs = reinterpret_cast<unsigned*>(base + inbox + flags);
-    r.status = reinterpret_cast<int*>(base + inbox + flags + epochs);
+    r.ll_epochs = reinterpret_cast<unsigned*>(base + inbox + flags + epochs);
+    r.status = reinterpret_cast<int*>(base + inbox + flags + 2 * epochs);
+    r.ll_inbox = reinterpret_cast<uint4*>(base + inbox + flags + 2 * epochs + 256);
+    // The LL inbox too: a line's epoch words must start below every epoch a call will use.
     MOE_CUDA_CHECK(cudaMemset(base + inbox, 0, bytes_ - inbox));
     ranks_.push_back(r);
   }
@@ -237,10 +392,12 @@ PeerAllReduce::~PeerAllReduce() {
 void PeerAllReduce::run(int rank, uint16_t* data, int64_t rows, int64_t hidden, cudaStream_t stream,
                         const AddNorm* then) const {
   MOE_CHECK(rank >= 0 && rank < ranks() && rows >= 0 && hidden >= 8 && hidden % 8 == 0 &&
-                rows * hidden <= max_elements_ && (!then || (then->residual && then->weight && then->normed)),
+                rows * hidden <= max_elements_ &&
+                (!then || (then->residual && then->weight && then->normed && hidden <= kMaxNormHidden)),
             kInvalidArgument,
             "all-reduce: rank {} of {}, {} rows of {} (a multiple of 8; at most {} elements){}", rank, ranks(),
-            rows, hidden, max_elements_, then ? ", with a residual, a norm weight and an output" : "");
+            rows, hidden, max_elements_,
+            then ? ", with a residual, a norm weight and an output (hidden at most 8192)" : "");
   if (rows == 0) return;
   if (ranks() == 1 && !then) return;
   Args a{};
@@ -254,10 +411,18 @@ void PeerAllReduce::run(int rank, uint16_t* data, int64_t rows, int64_t hidden, 
     a.inbox[p] = ranks_[static_cast<size_t>(p)].inbox;
     a.flags[p] = ranks_[static_cast<size_t>(p)].flags;
   }
+  for (int p = 0; p < ranks(); ++p) a.ll_inbox[p] = ranks_[static_cast<size_t>(p)].ll_inbox;
   a.epochs = ranks_[static_cast<size_t>(rank)].epochs;
+  a.ll_epochs = ranks_[static_cast<size_t>(rank)].ll_epochs;
+  a.ll_slot = ll_slot_;
   a.status = ranks_[static_cast<size_t>(rank)].status;
   a.timeout_ns = timeout_ns_;
   if (then) a.norm = *then;
+  if (rows <= kMaxBlocks && rows * hidden * (ranks() - 1) <= kLlMaxElements) {
+    MOE_CUDA_CHECK(kernels::launch_dependent(peer_allreduce_ll_kernel, dim3(kMaxBlocks), dim3(kThreads), 0,
+                                             stream, a));
+    return;
+  }
   // Whole rows per block, up to kMaxBlocks blocks: far below one block per multiprocessor, so
   // every block of every rank is resident at once (the waits need it).
   const int64_t blocks = std::min<int64_t>(kMaxBlocks, rows);

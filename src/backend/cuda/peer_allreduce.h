@@ -10,6 +10,10 @@
 // CUDA graph. Each wait is bounded: a rank that never arrives sets a status word that check()
 // reports, instead of hanging.
 //
+// Small calls (decode) take the LL form instead: each 8-byte word sent carries 4 bytes of data
+// beside the call's epoch, so a receiver polls the data itself and no fence or flag is needed;
+// twice the bytes, one trip over NVLink (peer_allreduce.cu).
+//
 // Reuse: the inboxes are double-buffered by call parity. A peer can only be writing call e + 1
 // into the buffer of call e - 1 once this rank has raised its flags of call e, which it does
 // after its call e - 1 (and the sum that read that buffer) completed in stream order.
@@ -27,6 +31,12 @@ class PeerAllReduce {
  public:
   static constexpr int kMaxRanks = 8;
   static constexpr int kMaxBlocks = 64;
+  // Calls of at most kMaxBlocks rows whose elements times the peers are at most this use the LL
+  // form (below). Measured on H200s (qwen3-30b-a3b decode, NVLink): LL won at 64 rows of 2048
+  // on 2 GPUs (one peer) and at 8 rows on 4, and lost 7% of the step at 64 rows on 4 (three
+  // peers, twice the bytes each).
+  static constexpr int64_t kLlMaxElements = 64 * 2048;
+  static constexpr int64_t kMaxNormHidden = 8192;  // with a folded norm
 
   // Enables peer access between every pair of `devices` (throws kUnsupported naming a pair that
   // has none) and allocates on each its inbox for up to max_elements per call.
@@ -51,7 +61,7 @@ class PeerAllReduce {
   };
 
   // data: [rows, hidden] bf16 on rank's device (hidden a multiple of 8, rows * hidden at most
-  // max_elements), replaced by the sum over ranks, or with `then`, left as it was and folded
+  // max_elements; with `then`, hidden at most kMaxNormHidden), replaced by the sum over ranks, or with `then`, left as it was and folded
   // into the residual stream and its norm. Enqueued on `stream`, capturable; every rank must make
   // the same sequence of calls (same shapes), each from its own stream.
   void run(int rank, uint16_t* data, int64_t rows, int64_t hidden, cudaStream_t stream,
@@ -68,10 +78,13 @@ class PeerAllReduce {
     uint16_t* inbox = nullptr;   // [2 parities][ranks][max_elements]
     unsigned* flags = nullptr;   // [ranks][kMaxBlocks]: written by the peers
     unsigned* epochs = nullptr;  // [kMaxBlocks]: calls each block has completed
+    unsigned* ll_epochs = nullptr;  // [kMaxBlocks]: LL calls completed (all equal)
+    uint4* ll_inbox = nullptr;      // [2 parities][ranks][ll_slot_] 16-byte lines
     int* status = nullptr;       // 0, or 1 + the peer that timed out
   };
   std::vector<Rank> ranks_;
   int64_t max_elements_ = 0;
+  int64_t ll_slot_ = 0;  // lines per (parity, source rank)
   long long timeout_ns_ = 0;
   size_t bytes_ = 0;
 };
