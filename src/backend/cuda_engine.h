@@ -76,6 +76,8 @@ struct MemoryReport {
   size_t kv_cache = 0;   // the block pools of every layer
   size_t workspace = 0;  // activations of the largest step, expert and attention scratch, cuBLASLt
   size_t graph_outputs = 0;  // logits and token buffers each decode graph owns
+  // kv_blocks counts the scratch block that padding rows of a graph write to, which is never
+  // free: kv_blocks_free is at most kv_blocks - 1.
   int64_t kv_blocks = 0, kv_blocks_free = 0;
   int64_t kv_blocks_cached = 0;  // full blocks findable for prefix reuse (in use or free)
 };

@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "backend/cuda/ep_exchange_launch.h"
 #include "backend/cuda/pdl.h"
@@ -376,15 +377,24 @@ cudaError_t ep_unpack_sum(const EpParts& parts, const int* pos, int count, int r
 
 namespace {
 
-// Blocks of `kernel` (kRowThreads threads, no shared memory beyond its static) that the device
-// holds at once.
-template <typename Kernel>
-int resident_blocks(Kernel kernel) {
-  int per_sm = 0, device = 0, sms = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kRowThreads, 0) != cudaSuccess ||
-      cudaGetDevice(&device) != cudaSuccess ||
+// Blocks of kKernel (kRowThreads threads, no shared memory beyond its static) that the current
+// device holds at once. Asked once per kernel and device: the answer depends on nothing else, and
+// the queries would cost host time on every eager call.
+template <auto kKernel>
+int resident_blocks() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  if (device >= 0 && device < kMaxDevices) {
+    const int known = cached[device].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
+  int per_sm = 0, sms = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kRowThreads, 0) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
     return 0;
+  if (device >= 0 && device < kMaxDevices) cached[device].store(per_sm * sms, std::memory_order_relaxed);
   return per_sm * sms;
 }
 
@@ -398,7 +408,9 @@ cudaError_t ep_combine_p2p(const EpRouting& r, const P2pCombine& c, int tokens, 
   auto* kernel = c.in.bf16 ? combine_p2p_kernel<__nv_bfloat16, false>
                  : c.in.splits > 1 ? combine_p2p_kernel<float, true>
                                    : combine_p2p_kernel<float, false>;
-  const int cap = resident_blocks(kernel);
+  const int cap = c.in.bf16 ? resident_blocks<combine_p2p_kernel<__nv_bfloat16, false>>()
+                  : c.in.splits > 1 ? resident_blocks<combine_p2p_kernel<float, true>>()
+                                    : resident_blocks<combine_p2p_kernel<float, false>>();
   if (cap <= 0) return cudaErrorUnknown;
   const long long want = std::max<long long>(c.rows, (total + kRowThreads - 1) / kRowThreads);
   const int grid = static_cast<int>(std::min<long long>(want, cap));

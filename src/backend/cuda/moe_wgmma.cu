@@ -502,19 +502,38 @@ cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weight
 
 }  // namespace
 
-cudaError_t wgmma_partial_sums(const ExpertBuffers& b, int tokens, int tile_m, PartialSums* sums) {
-  const int max_tiles = static_cast<int>(
+namespace {
+
+// The launch shape of one forward, read once: the row-tile bound, the device's multiprocessors,
+// the tile width and the split of the down projection with the partial sums it leaves.
+struct LaunchShape {
+  int max_tiles = 0, sms = 0;
+  bool narrow = false;
+  PartialSums sums;
+};
+
+cudaError_t launch_shape(const ExpertBuffers& b, int tokens, int tile_m, LaunchShape* s) {
+  s->max_tiles = static_cast<int>(
       heuristics::max_row_tiles(static_cast<int64_t>(tokens) * b.top_k, b.experts, tile_m));
-  int device = 0, sms = 0;
+  int device = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&s->sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  const bool narrow = heuristics::wgmma_narrow_tiles(max_tiles, b.hidden, sms);
-  *sums = PartialSums{};
-  sums->splits = narrow ? heuristics::wgmma_down_splits(max_tiles, b.hidden, b.inter) : 1;
-  sums->bf16 = sums->splits == 1;
-  sums->split_stride = static_cast<long long>(tokens) * b.top_k;
+  s->narrow = heuristics::wgmma_narrow_tiles(s->max_tiles, b.hidden, s->sms);
+  s->sums = PartialSums{};
+  s->sums.splits = s->narrow ? heuristics::wgmma_down_splits(s->max_tiles, b.hidden, b.inter) : 1;
+  s->sums.bf16 = s->sums.splits == 1;
+  s->sums.split_stride = static_cast<long long>(tokens) * b.top_k;
   return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t wgmma_partial_sums(const ExpertBuffers& b, int tokens, int tile_m, PartialSums* sums) {
+  LaunchShape s;
+  const cudaError_t err = launch_shape(b, tokens, tile_m, &s);
+  if (err == cudaSuccess) *sums = s.sums;
+  return err;
 }
 
 cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const int* ids,
@@ -522,18 +541,14 @@ cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const in
                                  cudaStream_t stream) {
   if (tile_m != 64 && tile_m != 128) return cudaErrorInvalidValue;
   if (b.hidden % BK != 0 || b.inter % BK != 0) return cudaErrorInvalidValue;
-  const int max_tiles = static_cast<int>(
-      heuristics::max_row_tiles(static_cast<int64_t>(tokens) * b.top_k, b.experts, tile_m));
-  int device = 0, sms = 0;
-  PartialSums sums;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = wgmma_partial_sums(b, tokens, tile_m, &sums);
+  LaunchShape shape;
+  cudaError_t err = launch_shape(b, tokens, tile_m, &shape);
   if (err == cudaSuccess) err = launch_plan(b, ids, tokens, tile_m, stream);
   if (err != cudaSuccess) return err;
-  const bool narrow = heuristics::wgmma_narrow_tiles(max_tiles, b.hidden, sms);
-  const int splits = sums.splits;
-  const long long stride = sums.split_stride;
+  const bool narrow = shape.narrow;
+  const int max_tiles = shape.max_tiles, sms = shape.sms, splits = shape.sums.splits;
+  const long long stride = shape.sums.split_stride;
+  PartialSums sums = shape.sums;
   if (tile_m == 64)
     err = narrow ? run_gemms<64, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
                  : run_gemms<64, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
