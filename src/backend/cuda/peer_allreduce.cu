@@ -64,14 +64,13 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return total;
 }
 
-// Vector v of the rank-order f32 sum, rounded once to bf16 (as 8 floats).
-__device__ __forceinline__ void rank_sum(const Args& a, const uint16_t* mine, size_t slot, int64_t v,
-                                         float (&out)[8]) {
+// The rank-order f32 sum of eight bf16 values, load(p) giving rank p's, rounded once to bf16
+// (as 8 floats): every rank adds the same values in the same order, so all end with the same bits.
+template <typename Load>
+__device__ __forceinline__ void rank_order_sum(int ranks, Load&& load, float (&out)[8]) {
   float s[8] = {};
-  for (int p = 0; p < a.ranks; ++p) {
-    // Peers' rows bypass L1: the same inbox held other rows two calls ago.
-    const uint4 x = p == a.rank ? reinterpret_cast<const uint4*>(a.data)[v]
-                                : __ldcg(reinterpret_cast<const uint4*>(mine + p * slot) + v);
+  for (int p = 0; p < ranks; ++p) {
+    const uint4 x = load(p);
     const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&x);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -86,6 +85,16 @@ __device__ __forceinline__ void rank_sum(const Args& a, const uint16_t* mine, si
     out[2 * c] = r.x;
     out[2 * c + 1] = r.y;
   }
+}
+
+// Vector v of the sum, this rank's rows from data, the peers' from the inbox.
+__device__ __forceinline__ void rank_sum(const Args& a, const uint16_t* mine, size_t slot, int64_t v,
+                                         float (&out)[8]) {
+  // Peers' rows bypass L1: the same inbox held other rows two calls ago.
+  rank_order_sum(a.ranks, [&](int p) {
+    return p == a.rank ? reinterpret_cast<const uint4*>(a.data)[v]
+                       : __ldcg(reinterpret_cast<const uint4*>(mine + p * slot) + v);
+  }, out);
 }
 
 // The folded residual add and norm of one row (whole row per block): v[c] holds this thread's
@@ -178,40 +187,22 @@ __global__ void __launch_bounds__(kThreads) peer_allreduce_ll_kernel(Args a) {
   bool ok = true;
   // Vector c of row r summed over the ranks in rank order (f32, rounded once, as rank_sum).
   auto sum = [&](int c, float (&out)[8]) {
-    float s[8] = {};
-    for (int p = 0; p < a.ranks; ++p) {
-      uint4 x;
-      if (p == a.rank) {
-        x = src[base + c];
-      } else {
-        const uint4* line = inbox + p * a.ll_slot + 2 * (base + c);
-        uint4 l0 = load_volatile(line), l1 = load_volatile(line + 1);
-        const unsigned long long start = now_ns();
-        volatile int* status = a.status;
-        for (int spin = 0; ok && (l0.y != e || l0.w != e || l1.y != e || l1.w != e); ++spin) {
-          if ((spin & 255) == 255 && (*status != 0 || static_cast<long long>(now_ns() - start) > a.timeout_ns)) {
-            atomicCAS(a.status, 0, p + 1);
-            ok = false;
-          }
-          l0 = load_volatile(line);
-          l1 = load_volatile(line + 1);
+    rank_order_sum(a.ranks, [&](int p) {
+      if (p == a.rank) return src[base + c];
+      const uint4* line = inbox + p * a.ll_slot + 2 * (base + c);
+      uint4 l0 = load_volatile(line), l1 = load_volatile(line + 1);
+      const unsigned long long start = now_ns();
+      volatile int* status = a.status;
+      for (int spin = 0; ok && (l0.y != e || l0.w != e || l1.y != e || l1.w != e); ++spin) {
+        if ((spin & 255) == 255 && (*status != 0 || static_cast<long long>(now_ns() - start) > a.timeout_ns)) {
+          atomicCAS(a.status, 0, p + 1);
+          ok = false;
         }
-        x = make_uint4(l0.x, l0.z, l1.x, l1.z);
+        l0 = load_volatile(line);
+        l1 = load_volatile(line + 1);
       }
-      const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&x);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 f = __bfloat1622float2(q[k]);
-        s[2 * k] += f.x;
-        s[2 * k + 1] += f.y;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 f = __bfloat1622float2(__floats2bfloat162_rn(s[2 * k], s[2 * k + 1]));
-      out[2 * k] = f.x;
-      out[2 * k + 1] = f.y;
-    }
+      return make_uint4(l0.x, l0.z, l1.x, l1.z);
+    }, out);
   };
   if (mine_row && !a.norm.weight) {
     for (int c = tid; c < a.vectors; c += kThreads) {
