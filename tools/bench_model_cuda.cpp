@@ -15,6 +15,7 @@
 #include "bench_common.h"
 #include "bench_model.h"
 #include "model/model.h"
+#include "model/step_reads.h"
 #include "moe/errors.h"
 
 namespace moe::bench {
@@ -22,54 +23,6 @@ namespace {
 
 double since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-// What GPU 0 reads per decode step and computes per prefill token under --tp tp --ep ep (all of
-// it on one GPU): parameters outside the routed experts (attention, router, shared and dense
-// MLPs, lm_head; the embedding row is negligible), those of one routed expert (1/ep of each
-// expert's share of the batch, which splits evenly under uniform routing), the KV cache bytes
-// per token of context, and the attention width that multiplies the context in prefill.
-struct ReadCounts {
-  double fixed = 0, per_expert = 0;
-  double kv_token_bytes = 0;
-  double attention_width = 0;  // over all layers and this GPU's heads: (QK width + PV width) / 2
-};
-
-ReadCounts read_counts(const ModelConfig& c, int tp, int ep) {
-  ReadCounts r;
-  const double h = static_cast<double>(c.hidden_size), heads = static_cast<double>(c.num_heads) / tp;
-  const double layers = static_cast<double>(c.num_layers);
-  double attn = 0;
-  if (c.attention == AttentionKind::kMla) {
-    // Each GPU runs its heads' query, absorbed key/value and output projections; the latent
-    // projections (q_a, kv_a) and the latent cache are whole on every GPU.
-    const MlaConfig& m = c.mla;
-    const double qk = static_cast<double>(m.qk_head_dim()), lora = static_cast<double>(m.kv_lora_rank);
-    const double rope = static_cast<double>(m.qk_rope_head_dim), vd = static_cast<double>(m.v_head_dim);
-    const double q_in = m.q_lora_rank > 0 ? static_cast<double>(m.q_lora_rank) : h;
-    attn = (m.q_lora_rank > 0 ? h * q_in : 0) + heads * qk * q_in + h * (lora + rope) +
-           heads * lora * (static_cast<double>(m.qk_nope_head_dim) + vd) + heads * vd * h;
-    r.kv_token_bytes = layers * (lora + rope) * 2;
-    r.attention_width = layers * heads * (2 * lora + rope) / 2;
-  } else {
-    const double hd = static_cast<double>(c.head_dim);
-    const double kv_heads = tp == 1 ? static_cast<double>(c.num_kv_heads)
-                                    : std::max(1.0, static_cast<double>(c.num_kv_heads) / tp);
-    attn = h * (heads + 2 * kv_heads) * hd + heads * hd * h;
-    r.kv_token_bytes = layers * 2 * kv_heads * hd * 2;
-    r.attention_width = layers * heads * hd;
-  }
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    r.fixed += attn;
-    if (c.moe_layers[static_cast<size_t>(l)]) {
-      r.fixed += h * static_cast<double>(c.moe.num_experts) + 3 * h * static_cast<double>(c.moe.shared_intermediate);
-    } else {
-      r.fixed += 3 * h * static_cast<double>(c.intermediate_size);
-    }
-  }
-  r.fixed += h * static_cast<double>(c.vocab_size);
-  r.per_expert = 3 * h * static_cast<double>(c.moe.intermediate_size) / ep;
-  return r;
 }
 
 }  // namespace
@@ -179,8 +132,8 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   // Floors. Decode: every fixed weight once per step, the distinct experts the batch's tokens
   // touch (expected count under uniform routing) and the KV cache, at the copy bandwidth.
   // Prefill: 2 FLOPs per active parameter per token plus causal attention, at the matmul rate.
-  // On several GPUs the floor is GPU 0's share, which reads the most (read_counts).
-  const ReadCounts rc = read_counts(mc, a.tp, a.ep);
+  // On several GPUs the floor is GPU 0's share, which reads the most (model/step_reads.h).
+  const StepReads rc = step_reads(mc, a.tp, a.ep);
   const double e = static_cast<double>(std::max<int64_t>(mc.moe.num_experts, 1));
   const double k = static_cast<double>(mc.moe.top_k);
   const double moe_layers = static_cast<double>(mc.num_moe_layers());
