@@ -48,7 +48,7 @@ step() {  # step NAME COMMAND...: runs it, keeps its output, records its exit st
   tail -n 3 "$OUT/$name.log"
 }
 
-GPU_TESTS='Cuda*:*/Cuda*:Nccl*:*PeerAllReduce*'
+GPU_TESTS='Cuda*:*/Cuda*:Nccl*:*PeerAllReduce*:GpuScheduler*'
 # The op tests under the sanitizers (the timing tests only print; they are left out).
 OP_TESTS='CudaOps*:CudaRoute*:CudaNormRoute*:CudaSample*:CudaAttention*:CudaLatent*:CudaMoe*:CudaBlas*:*PeerAllReduce*:-*Timing*'
 for s in $STEPS; do
@@ -74,10 +74,13 @@ for s in $STEPS; do
       gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
       if [ "$gpus" -ge 2 ]; then
         step layer_seed_ep2 "$BIN/moe-bench" layer --json
-        # The whole model on two GPUs (tensor-parallel attention, half the experts each).
-        step model_qwen3-30b-a3b_tp2ep2 "$BIN/moe-bench" model --device cuda --preset qwen3-30b-a3b \
-          --random-weights --batches 1,8,64 --input-len 128 --output-len 64 --prefill-len 2048 \
-          --tp 2 --ep 2 --profile --json
+        # The whole model on two GPUs (tensor-parallel attention, grouped-query and latent, half
+        # the experts each).
+        for p in qwen3-30b-a3b deepseek-v2-lite; do
+          step "model_${p}_tp2ep2" "$BIN/moe-bench" model --device cuda --preset "$p" \
+            --random-weights --batches 1,8,64 --input-len 128 --output-len 64 --prefill-len 2048 \
+            --tp 2 --ep 2 --profile --json
+        done
         for n in 2 4 8; do
           [ "$gpus" -ge $n ] || continue
           step "layer_qwen3-30b-a3b_ep$n" "$BIN/moe-bench" layer --preset qwen3-30b-a3b --ep $n \
