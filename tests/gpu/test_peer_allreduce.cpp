@@ -8,10 +8,12 @@
 
 #include <chrono>
 #include <random>
+#include <string>
 
 #include "backend/cuda/peer_allreduce.h"
 #include "core/rank_threads.h"
 #include "gpu_test_util.h"
+#include "../unit/test_util.h"
 #include "moe/errors.h"
 
 namespace moe {
@@ -230,6 +232,16 @@ TEST(PeerAllReduce, BadArgumentsAreRefused) {
   EXPECT_THROW(one.run(1, buf.get(), 8, 8, nullptr), Error);   // no such rank
   cuda::PeerAllReduce::AddNorm no_weight;
   EXPECT_THROW(one.run(0, buf.get(), 8, 8, nullptr, &no_weight), Error);
+  // The folded norm holds a row in registers: hidden at most kMaxNormHidden.
+  const int64_t wide = cuda::PeerAllReduce::kMaxNormHidden + 8;
+  cuda::PeerAllReduce big({0}, wide);
+  DeviceBuffer<uint16_t> row(static_cast<size_t>(wide)), normed(static_cast<size_t>(wide));
+  DeviceBuffer<float> residual(static_cast<size_t>(wide)), weight(static_cast<size_t>(wide));
+  cuda::PeerAllReduce::AddNorm fold{residual.get(), nullptr, weight.get(), 1e-6f, normed.get()};
+  std::string why;
+  EXPECT_EQ(test::error_kind_of([&] { big.run(0, row.get(), 1, wide, nullptr, &fold); }, &why),
+            ErrorKind::kInvalidArgument);
+  EXPECT_NE(why.find("hidden at most"), std::string::npos) << why;
 }
 
 }  // namespace

@@ -401,8 +401,8 @@ void PeerAllReduce::run(int rank, uint16_t* data, int64_t rows, int64_t hidden, 
   for (int p = 0; p < ranks(); ++p) {
     a.inbox[p] = ranks_[static_cast<size_t>(p)].inbox;
     a.flags[p] = ranks_[static_cast<size_t>(p)].flags;
+    a.ll_inbox[p] = ranks_[static_cast<size_t>(p)].ll_inbox;
   }
-  for (int p = 0; p < ranks(); ++p) a.ll_inbox[p] = ranks_[static_cast<size_t>(p)].ll_inbox;
   a.epochs = ranks_[static_cast<size_t>(rank)].epochs;
   a.ll_epochs = ranks_[static_cast<size_t>(rank)].ll_epochs;
   a.ll_slot = ll_slot_;
