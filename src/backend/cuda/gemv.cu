@@ -6,9 +6,22 @@
 namespace moe::cuda::kernels {
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kRowsPerGroup = 2;  // weight rows a group of warps shares
-constexpr int kUnroll = 4;        // 16-byte loads per row a lane issues before using any
+constexpr int kUnroll = 4;  // 16-byte loads per row a lane issues before using any
+// Two shapes of block: 8 warps of 2 rows (k split among them when rows are few), and, for long
+// matrices that need no split (the qkv projection, lm_head), 4 warps of 4 rows with streaming
+// loads, which keeps more loads in flight per lane (lab/cuda/gemv_sweep.cu: qkv at M = 1 10.2 ->
+// 9.0 µs, at M = 8 15.5 -> 13.2 µs; a 32768 x 2048 matrix at M = 8 65.8 -> 59.3 µs). Unsplit,
+// both take 16 rows per block.
+constexpr int kRowsUnsplit = 16;
+
+// Weights are read once: no L1 allocation, 256-byte L2 fetches (a warp reads whole rows).
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
 
 __device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -20,8 +33,9 @@ __device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) {
   }
 }
 
-// A group of KS warps owns kRowsPerGroup weight rows and splits k among its warps (KS > 1 when
-// there are too few rows to give every multiprocessor work). A lane reads 8 consecutive k at a
+// A block of kWarps warps; a group of KS warps owns kRowsPerGroup weight rows and splits k among
+// its warps (KS > 1 when there are too few rows to give every
+// multiprocessor work). kStream: weights read with streaming loads instead of __ldg. A lane reads 8 consecutive k at a
 // time, kUnroll steps ahead, so each lane keeps kRowsPerGroup * kUnroll 16-byte loads in flight.
 // x (a few rows, shared by every warp) is read through L1.
 // Batch b (blockIdx.y) reads x + b * x_stride (rows ldx8 * 8 apart), w + b * w_stride and writes
@@ -31,7 +45,7 @@ struct Batch {
   long long x_stride8, w_stride8, y_stride;
 };
 
-template <int M, int KS>
+template <int M, int KS, int kWarps, int kRowsPerGroup, bool kStream>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const uint4* __restrict__ x,
                                                           const uint4* __restrict__ w, void* y,
                                                           bool y_f32, int n, int k8, int ldy, Batch bt) {
@@ -56,7 +70,8 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const uint4* __restri
       for (int u = 0; u < kUnroll; ++u) {
         const int c = base + u * stride;
 #pragma unroll
-        for (int r = 0; r < kRowsPerGroup; ++r) wv[r][u] = c < k8 ? __ldg(wr[r] + c) : make_uint4(0, 0, 0, 0);
+        for (int r = 0; r < kRowsPerGroup; ++r)
+          wv[r][u] = c >= k8 ? make_uint4(0, 0, 0, 0) : kStream ? load_stream(wr[r] + c) : __ldg(wr[r] + c);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -119,12 +134,12 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const uint4* __restri
   }
 }
 
-template <int M, int KS>
+template <int M, int KS, int kWarps = 8, int kRowsPerGroup = 2, bool kStream = false>
 cudaError_t launch_split(const void* x, const void* w, void* y, bool y_f32, int n, int k, int ldy,
                          int batch, const Batch& bt, cudaStream_t stream) {
   const int rows_per_block = (kWarps / KS) * kRowsPerGroup;
   const dim3 grid((n + rows_per_block - 1) / rows_per_block, batch);
-  launch_dependent(gemv_kernel<M, KS>, grid, kWarps * 32, 0, stream,
+  launch_dependent(gemv_kernel<M, KS, kWarps, kRowsPerGroup, kStream>, grid, kWarps * 32, 0, stream,
       static_cast<const uint4*>(x), static_cast<const uint4*>(w), y, y_f32, n, k / 8, ldy, bt);
   return cudaGetLastError();
 }
@@ -134,7 +149,9 @@ cudaError_t launch_split(const void* x, const void* w, void* y, bool y_f32, int 
 template <int M>
 cudaError_t launch(const void* x, const void* w, void* y, bool y_f32, int n, int k, int ldy,
                    int batch, const Batch& bt, cudaStream_t stream) {
-  const int blocks_unsplit = batch * ((n + kWarps * kRowsPerGroup - 1) / (kWarps * kRowsPerGroup));
+  const int blocks_unsplit = batch * ((n + kRowsUnsplit - 1) / kRowsUnsplit);
+  if (blocks_unsplit >= 264 && k >= 8 * 32 * 2)
+    return launch_split<M, 1, 4, 4, true>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
   if (blocks_unsplit >= 264 || k < 8 * 32 * 2)
     return launch_split<M, 1>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
   if (blocks_unsplit >= 66 || k < 8 * 32 * 8)
