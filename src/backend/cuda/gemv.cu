@@ -1,5 +1,6 @@
 #include "backend/cuda/gemv_launch.h"
 #include "backend/cuda/pdl.h"
+#include "backend/cuda/stream_load.cuh"
 
 #include <cuda_bf16.h>
 
@@ -13,15 +14,6 @@ constexpr int kUnroll = 4;  // 16-byte loads per row a lane issues before using 
 // 9.0 µs, at M = 8 15.5 -> 13.2 µs; a 32768 x 2048 matrix at M = 8 65.8 -> 59.3 µs). Unsplit,
 // both take 16 rows per block.
 constexpr int kRowsUnsplit = 16;
-
-// Weights are read once: no L1 allocation, 256-byte L2 fetches (a warp reads whole rows).
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
 
 __device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);

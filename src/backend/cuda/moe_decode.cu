@@ -21,6 +21,7 @@
 #include "backend/cuda/moe_heuristics.h"
 #include "backend/cuda/pdl.h"
 #include "backend/cuda/slot_sums.cuh"
+#include "backend/cuda/stream_load.cuh"
 
 namespace moe::cuda::kernels {
 
@@ -123,16 +124,6 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
   }
 }
 
-
-// Weights are read once per forward: no L1 allocation (x and act stay there), 256-byte L2
-// fetches (a warp reads whole rows, so the extra sectors are always used).
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
 
 __device__ __forceinline__ float dot8(uint4 w, uint4 x) {
   const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&w);
