@@ -332,7 +332,8 @@ __global__ void __launch_bounds__(128) dense_4x4(const __nv_bfloat16* __restrict
 
 // The routing with the active experts in lane order instead of ascending: O(1) per warp (one
 // ballot, a find-n-th-set-bit and one shuffle) instead of a 32-step shuffle loop for the ranks.
-// Which warp takes which expert changes no result (act and part are by slot).
+// Which warp takes which expert changes no result (act and part are by slot). Plugged into the
+// library's kernels as their Route.
 struct FastRouting {
   int id;
   int by_rank;  // lane a: the a-th active expert
@@ -350,106 +351,10 @@ struct FastRouting {
   __device__ int num_active() const { return count; }
   __device__ int expert(int a) const { return __shfl_sync(0xffffffffu, by_rank, a); }
   template <typename F>
-  __device__ void for_slots(int e, F&& f) const {
+  __device__ void for_slots(int /*a*/, int e, F&& f) const {
     for (unsigned m = __ballot_sync(0xffffffffu, id == e); m != 0; m &= m - 1) f(__ffs(m) - 1);
   }
 };
-
-template <int C>
-__global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) gate_up_fast(
-    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_gate_up,
-    const int* __restrict__ ids, int slots, int hidden, int inter, int top_k,
-    __nv_bfloat16* __restrict__ act) {
-  wait_for_predecessor();
-  allow_dependents();
-  const FastRouting route(ids, slots);
-  const int lane = threadIdx.x % 32;
-  const int chunks = hidden / 8;
-  const int total = route.num_active() * inter;
-  for (int item = blockIdx.x * kGemvWarps + threadIdx.x / 32; item < total;
-       item += gridDim.x * kGemvWarps) {
-    const int e = route.expert(item / inter), j = item % inter;
-    const uint4* g = reinterpret_cast<const uint4*>(w_gate_up + ((size_t)e * 2 * inter + j) * hidden);
-    const uint4* u = g + (size_t)inter * chunks;
-    uint4 gr[C], ur[C];
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int idx = min(c * 32 + lane, chunks - 1);
-      gr[c] = load_stream(g + idx);
-      ur[c] = load_stream(u + idx);
-    }
-#pragma unroll
-    for (int c = 0; c < C; ++c)
-      if (c * 32 + lane >= chunks) gr[c] = ur[c] = make_uint4(0, 0, 0, 0);
-    route.for_slots(e, [&](int s) {
-      const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(s / top_k) * hidden);
-      float gs = 0.f, us = 0.f;
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-        const uint4 xv = __ldg(xr + min(c * 32 + lane, chunks - 1));
-        gs += dot8(gr[c], xv);
-        us += dot8(ur[c], xv);
-      }
-      gs = warp_sum(gs);
-      us = warp_sum(us);
-      if (lane == 0) act[(size_t)s * inter + j] = __float2bfloat16(gs / (1.f + __expf(-gs)) * us);
-    });
-  }
-}
-
-template <int C>
-__global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_fast(
-    const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ w_down,
-    const int* __restrict__ ids, int slots, const float* __restrict__ weights,
-    int hidden, int inter, float* __restrict__ part) {
-  constexpr int R = down_rows(C);
-  allow_dependents();
-  const FastRouting route(ids, slots);
-  const int lane = threadIdx.x % 32;
-  const int chunks = inter / 8;
-  const int groups = (hidden + R - 1) / R;
-  const int total = route.num_active() * groups;
-  const int stride = gridDim.x * kGemvWarps;
-  int item = blockIdx.x * kGemvWarps + threadIdx.x / 32;
-  uint4 wr[R][C];
-  auto load = [&](int it) {
-    const int e = route.expert(it / groups), h0 = (it % groups) * R;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint4* w = reinterpret_cast<const uint4*>(
-          w_down + ((size_t)e * hidden + min(h0 + r, hidden - 1)) * inter);
-#pragma unroll
-      for (int c = 0; c < C; ++c) wr[r][c] = load_stream(w + min(c * 32 + lane, chunks - 1));
-    }
-  };
-  if (item < total) load(item);
-  wait_for_predecessor();
-  for (; item < total; item += stride) {
-    if (item != blockIdx.x * kGemvWarps + threadIdx.x / 32) load(item);
-    const int e = route.expert(item / groups), h0 = (item % groups) * R;
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int c = 0; c < C; ++c)
-        if (c * 32 + lane >= chunks) wr[r][c] = make_uint4(0, 0, 0, 0);
-    route.for_slots(e, [&](int s) {
-      const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)s * inter);
-      uint4 av[C];
-#pragma unroll
-      for (int c = 0; c < C; ++c) av[c] = __ldcg(ar + min(c * 32 + lane, chunks - 1));
-      float mine = 0.f;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float v = 0.f;
-#pragma unroll
-        for (int c = 0; c < C; ++c) v += dot8(wr[r][c], av[c]);
-        v = warp_sum(v);
-        if (lane == r) mine = v;
-      }
-      if (lane < R && h0 + lane < hidden) part[(size_t)s * hidden + h0 + lane] = __ldg(weights + s) * mine;
-    });
-  }
-}
 
 template <typename K>
 int grid_of(K kernel) {
@@ -604,7 +509,7 @@ void bench(const Shape& sh) {
   std::printf("floor (%.1f MB at 3.0 TB/s): %.1f us\n", bytes / 1e6, bytes / 3.0e12 * 1e6);
   const Variant vs[] = {
       {"library", gate_up_kernel<CG, Routing>, down_kernel<CD, Routing>},
-      {"fast routing", gate_up_fast<CG>, down_fast<CD>},
+      {"fast routing", gate_up_kernel<CG, FastRouting>, down_kernel<CD, FastRouting>},
       {"one token", gate_up_kernel<CG, OneTokenRouting>, down_kernel<CD, OneTokenRouting>},
       {"one token gate_up only", gate_up_kernel<CG, OneTokenRouting>, down_kernel<CD, Routing>},
       {"gate_up pipe<3>", gate_up_pipe<CG, 3>, down_kernel<CD, Routing>},
@@ -625,7 +530,7 @@ void bench(const Shape& sh) {
       std::printf("  library             %7.2f us\n", time_gate_up(sh, gate_up_kernel<CG, Routing>, 0, sh.inter, L, x, act));
       std::printf("  known experts       %7.2f us\n", time_gate_up(sh, gate_up_known<CG>, 0, sh.inter, L, x, act));
       std::printf("  non-persistent      %7.2f us\n", time_gate_up(sh, gate_up_flat<CG>, flat, sh.inter, L, x, act));
-      std::printf("  fast routing        %7.2f us\n", time_gate_up(sh, gate_up_fast<CG>, 0, sh.inter, L, x, act));
+      std::printf("  fast routing        %7.2f us\n", time_gate_up(sh, gate_up_kernel<CG, FastRouting>, 0, sh.inter, L, x, act));
       std::printf("  one token           %7.2f us\n", time_gate_up(sh, gate_up_kernel<CG, OneTokenRouting>, 0, sh.inter, L, x, act));
       std::printf("  dense 4x4 same bytes%7.2f us\n", time_gate_up(sh, dense_4x4, dense, sh.top_k * 2 * sh.inter, L, x, act));
     }

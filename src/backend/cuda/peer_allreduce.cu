@@ -138,6 +138,42 @@ __device__ __forceinline__ void store_normed(const Args& a, int64_t r, int c, co
   reinterpret_cast<uint4*>(a.norm.normed + r * hidden)[c] = out;
 }
 
+// Row r's folded residual add and norm, its vector c summed by sum(c, s). sum returns false when
+// a peer's values never came (the LL form's timeout): from there on the row is left unwritten.
+template <typename Sum>
+__device__ __forceinline__ void add_norm_row(const Args& a, int64_t r, float* red, Sum&& sum) {
+  const int tid = threadIdx.x;
+  float v[kNormVectorsPerThread][8];
+  float ss = 0.0f;
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < kNormVectorsPerThread; ++i) {
+    const int c = tid + i * kThreads;
+    if (c >= a.vectors) break;
+    float s[8];
+    ok = sum(c, s) && ok;
+    if (ok) add_residual(a, r, c, s, v[i]);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) ss += ok ? v[i][k] * v[i][k] : 0.0f;
+  }
+  ss = block_sum(ss, red);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(a.vectors * 8) + a.norm.eps);
+#pragma unroll
+  for (int i = 0; i < kNormVectorsPerThread; ++i) {
+    const int c = tid + i * kThreads;
+    if (c >= a.vectors || !ok) break;
+    store_normed(a, r, c, v[i], inv);
+  }
+}
+
+__device__ __forceinline__ void store_bf16x8(uint4* dst, const float (&s)[8]) {
+  uint4 out;
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) o[k] = __floats2bfloat162_rn(s[2 * k], s[2 * k + 1]);
+  *dst = out;
+}
+
 __device__ __forceinline__ void store_volatile(uint4* p, uint4 v) {
   asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
                "r"(v.w)
@@ -209,33 +245,13 @@ __global__ void __launch_bounds__(kThreads) peer_allreduce_ll_kernel(Args a) {
       float s[8];
       sum(c, s);
       if (!ok) break;
-      uint4 out;
-      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) o[k] = __floats2bfloat162_rn(s[2 * k], s[2 * k + 1]);
-      reinterpret_cast<uint4*>(a.data)[base + c] = out;
+      store_bf16x8(reinterpret_cast<uint4*>(a.data) + base + c, s);
     }
   } else if (mine_row) {
-    float v[kNormVectorsPerThread][8];
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kNormVectorsPerThread; ++i) {
-      const int c = tid + i * kThreads;
-      if (c >= a.vectors) break;
-      float s[8];
+    add_norm_row(a, r, red, [&](int c, float (&s)[8]) {
       sum(c, s);
-      if (ok) add_residual(a, r, c, s, v[i]);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) ss += ok ? v[i][k] * v[i][k] : 0.0f;
-    }
-    ss = block_sum(ss, red);
-    const float inv = 1.0f / sqrtf(ss / static_cast<float>(a.vectors * 8) + a.norm.eps);
-#pragma unroll
-    for (int i = 0; i < kNormVectorsPerThread; ++i) {
-      const int c = tid + i * kThreads;
-      if (c >= a.vectors || !ok) break;
-      store_normed(a, r, c, v[i], inv);
-    }
+      return ok;
+    });
   }
   __syncthreads();  // every thread has read the epoch
   if (tid == 0) a.ll_epochs[b] = e;
@@ -294,36 +310,15 @@ __global__ void __launch_bounds__(kThreads) peer_allreduce_kernel(Args a) {
     for (int64_t v = v0 + tid; v < v1; v += kThreads) {
       float s[8];
       rank_sum(a, mine, slot, v, s);
-      uint4 out;
-      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) o[c] = __floats2bfloat162_rn(s[2 * c], s[2 * c + 1]);
-      reinterpret_cast<uint4*>(a.data)[v] = out;
+      store_bf16x8(reinterpret_cast<uint4*>(a.data) + v, s);
     }
   } else if (!failed) {
     // Row by row: residual += sum (+ extra) as add_rms_norm adds, then the norm of the row.
-    for (int64_t r = r0; r < r1; ++r) {
-      float v[kNormVectorsPerThread][8];
-      float ss = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kNormVectorsPerThread; ++i) {
-        const int c = tid + i * kThreads;
-        if (c >= a.vectors) break;
-        float s[8];
+    for (int64_t r = r0; r < r1; ++r)
+      add_norm_row(a, r, red, [&](int c, float (&s)[8]) {
         rank_sum(a, mine, slot, r * a.vectors + c, s);
-        add_residual(a, r, c, s, v[i]);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) ss += v[i][k] * v[i][k];
-      }
-      ss = block_sum(ss, red);
-      const float inv = 1.0f / sqrtf(ss / static_cast<float>(a.vectors * 8) + a.norm.eps);
-#pragma unroll
-      for (int i = 0; i < kNormVectorsPerThread; ++i) {
-        const int c = tid + i * kThreads;
-        if (c >= a.vectors) break;
-        store_normed(a, r, c, v[i], inv);
-      }
-    }
+        return true;
+      });
   }
   if (tid == 0) a.epochs[b] = e;
 }
