@@ -496,6 +496,9 @@ constexpr int kDecTarget = 128;
 // A row uses at most this many splits of its own accord (chunk grows with its length): at one
 // row of 2048 on an H100, 16 splits of 128 took 7.0-7.6 us and 32 of 64 7.5-8.1 us (two runs).
 constexpr int kDecSplitCap = 16;
+// Rows of at most this many keys take one split of their own accord: their keys are too few to
+// pay for merging splits (qwen3-30b-a3b batch 1 at ~190 keys, H100: 3.460 -> 3.446 ms a step).
+constexpr int kDecOneSplitKeys = 256;
 
 template <int D>
 struct DecodeCfg {
@@ -536,6 +539,7 @@ DecodePlan plan_decode(int tokens, int max_context, int split_keys) {
 // (split_cap 0: the chunk as given).
 __device__ __forceinline__ int decode_chunk(int visible, int chunk, int split_cap) {
   if (split_cap <= 0) return chunk;
+  if (visible <= kDecOneSplitKeys) return visible > chunk ? (visible + kDecKeys - 1) / kDecKeys * kDecKeys : chunk;
   int c = (visible + split_cap - 1) / split_cap;
   c = (c + kDecKeys - 1) / kDecKeys * kDecKeys;
   return c > chunk ? c : chunk;
@@ -564,7 +568,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Pag
                                                                       int chunk, int split_cap,
                                                                       float* __restrict__ part_o,
                                                                       float* __restrict__ part_ml) {
-  begin_dependent();  // first: see pdl.h (chained after the q/k/v preparation)
   using C = DecodeCfg<D>;
   constexpr int NS = C::kStages;
   constexpr int kChunks = D / 8;  // 16-byte pieces of a key row
@@ -573,18 +576,18 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Pag
   extern __shared__ __align__(16) unsigned char dsmem[];
   __shared__ float s_mw[kDecWarps][16], s_lw[kDecWarps][16], s_mt[16], s_lt[16];
 
-  // Lets the reduce kernel (launched with programmatic stream serialization) be scheduled while
-  // this grid drains; it waits for this grid's completion before reading anything we write.
-  allow_dependents();
-
+  // The step's metadata (lengths, block tables) is uploaded before the forward and stays
+  // constant over it, so its chain of dependent loads is read before waiting for the q/k/v
+  // preparation (pdl.h), overlapping that kernel, up to the table entries of the first steps.
   const int row = blockIdx.x, split = blockIdx.z, max_splits = gridDim.z;
-  if (row >= p.seq_starts[p.num_seqs]) return;
-  const int seq = find_seq(p.seq_starts, p.num_seqs, row);
-  const int n = p.seq_starts[seq + 1] - p.seq_starts[seq];
-  const int visible = p.context_lens[seq] - n + (row - p.seq_starts[seq]) + 1;
-  chunk = decode_chunk(visible, chunk, split_cap);
-  const int n_s = decode_splits(visible, chunk, max_splits);
-  if (split >= n_s) return;
+  int seq = 0, visible = 0, n_s = 0;  // n_s = 0: a padding row, nothing to do
+  if (row < p.seq_starts[p.num_seqs]) {
+    seq = find_seq(p.seq_starts, p.num_seqs, row);
+    const int n = p.seq_starts[seq + 1] - p.seq_starts[seq];
+    visible = p.context_lens[seq] - n + (row - p.seq_starts[seq]) + 1;
+    chunk = decode_chunk(visible, chunk, split_cap);
+    n_s = decode_splits(visible, chunk, max_splits);
+  }
   const int begin = split * chunk;
   const int end = split == n_s - 1 ? visible : begin + chunk;
   const int h0 = blockIdx.y * hg;
@@ -594,6 +597,23 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Pag
   const int gr = lane / 4, tq = lane % 4;
   const int block_shift = __ffs(p.block_size) - 1, block_mask = p.block_size - 1;
   const int32_t* table = p.block_tables + (size_t)seq * p.max_blocks_per_seq;
+  const int len = split < n_s && end > begin ? end - begin : 0;
+  const int steps = (len + kDecKeys - 1) / kDecKeys;
+  const int my = steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0;  // this warp's steps
+  // This lane's table entry for step i of this warp (the block of key t0 + lane % kDecKeys).
+  auto block_of = [&](int i) {
+    const int jl = begin + (warp + i * kDecWarps) * kDecKeys + (lane & (kDecKeys - 1));
+    return i < my && jl < end ? __ldg(table + (jl >> block_shift)) : 0;
+  };
+  int first_blocks[NS - 1];
+#pragma unroll
+  for (int i = 0; i < NS - 1; ++i) first_blocks[i] = block_of(i);
+
+  wait_for_predecessor();
+  // Lets the reduce kernel (launched with programmatic stream serialization) be scheduled while
+  // this grid drains; it waits for this grid's completion before reading anything we write.
+  allow_dependents();
+  if (split >= n_s) return;
 
   // Query fragments straight from global memory: rows gr and gr + 8 of the head group.
   const bool ra = gr < hg, rb = gr + 8 < hg;
@@ -608,9 +628,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Pag
     qf[kk][3] = rb ? __ldg(qb + kk * 8 + 4 + tq) : 0u;
   }
 
-  const int len = end > begin ? end - begin : 0;
-  const int steps = (len + kDecKeys - 1) / kDecKeys;
-  const int my = steps > warp ? (steps - warp + kDecWarps - 1) / kDecWarps : 0;  // this warp's steps
   uint16_t* ring = reinterpret_cast<uint16_t*>(dsmem) + (size_t)warp * NS * C::kStageElems;
   const size_t pos_stride = (size_t)p.kv_heads * D;  // elements per cache position
   const uint16_t* kbase = p.k_cache + (size_t)kvh * D;
@@ -619,11 +636,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Pag
   // Step i of this warp into ring stage i % NS. Keys at or past `end` are zero-filled and never
   // addressed: their table entries and cache rows may hold anything, and a NaN V row would leak
   // through a zero weight.
-  auto issue = [&](int i) {
+  auto issue = [&](int i, int blk) {
     if (i < my) {
       const int t0 = begin + (warp + i * kDecWarps) * kDecKeys;
-      const int jl = t0 + (lane & (kDecKeys - 1));
-      const int blk = jl < end ? __ldg(table + (jl >> block_shift)) : 0;
       uint16_t* sk = ring + (i % NS) * C::kStageElems;
       uint16_t* sv = sk + kDecKeys * C::kStride;
 #pragma unroll
@@ -648,9 +663,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Pag
   const float scale = p.scale * kLog2e;
 
 #pragma unroll
-  for (int i = 0; i < NS - 1; ++i) issue(i);
+  for (int i = 0; i < NS - 1; ++i) issue(i, first_blocks[i]);
   for (int i = 0; i < my; ++i) {
-    issue(i + NS - 1);
+    issue(i + NS - 1, block_of(i + NS - 1));
     cp_async_wait<NS - 1>();
     __syncwarp();
     const uint16_t* sk = ring + (i % NS) * C::kStageElems;

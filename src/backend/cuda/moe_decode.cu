@@ -348,6 +348,7 @@ __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const Part* 
                                                                     int splits,
                                                                     long long split_stride,
                                                                     ResidualNorm rn) {
+  prefetch_weights_l2(rn.weight, static_cast<size_t>(hidden) * 4);  // before the wait: pdl.h
   wait_for_predecessor();
   __shared__ float red[kNormThreads / 32];
   const int t = blockIdx.x, groups = hidden / 8;

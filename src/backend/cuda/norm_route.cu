@@ -51,7 +51,15 @@ __global__ void __launch_bounds__(kWarps * 32) norm_route_kernel(NormRouteParams
                                                                  int tokens, int group_lanes,
                                                                  int32_t* __restrict__ ids,
                                                                  float* __restrict__ weights) {
-  begin_dependent();  // first: see pdl.h
+  // The weights this block reads (its router rows, the norm's scales) are asked of L2 before
+  // waiting for the predecessor (pdl.h), so that their HBM latency overlaps its tail.
+  {
+    const int first = blockIdx.x * kWarps, rows = min(kWarps, p.experts - first);
+    const size_t row_bytes = static_cast<size_t>(q.hidden) * 2;
+    if (rows > 0) prefetch_weights_l2(q.router_weight + static_cast<size_t>(first) * q.hidden, rows * row_bytes);
+    prefetch_weights_l2(q.norm_weight, static_cast<size_t>(q.hidden) * 4);
+  }
+  begin_dependent();
   extern __shared__ uint4 s_rows[];  // bf16 [tokens, hidden]: the normalised rows
   __shared__ __align__(16) float s_buf[kWarps][kRouterMaxExperts];
   __shared__ float s_group[kWarps][kRouterMaxExperts];

@@ -231,11 +231,44 @@ constexpr int kQkvPairsPerLane = kQkvMaxHeadDim / 2 / 32;
 // unrotated pairs, so the norm, clip and rotation of a pair never leave the lane.
 __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const float* __restrict__ qkv,
                                                              QkvParams p) {
-  begin_dependent();  // first: see pdl.h
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int head = blockIdx.y * kQkvWarps + warp;
+  const bool real = head < p.q_heads + 2 * p.kv_heads;
+  const int kind = head < p.q_heads ? 0 : (head < p.q_heads + p.kv_heads ? 1 : 2);  // q, k, v
+  const int h = kind == 0 ? head : (kind == 1 ? head - p.q_heads : head - p.q_heads - p.kv_heads);
+  const int hd = p.head_dim, pairs = hd / 2, rh = p.rot_dim / 2;
+  const bool normed = p.qk_norm != 0 && kind != 2;
+  const float* w = kind == 0 ? p.q_norm : p.k_norm;
+  if (normed && p.qk_norm == 2) w += static_cast<size_t>(h) * hd;
+
+  // What does not depend on the projection is read and computed before waiting for it (pdl.h),
+  // overlapping its tail: the norm scales, the token's position and cache slot (metadata,
+  // constant over the forward) and the rotation's sines and cosines.
+  const int t = blockIdx.x;
+  const float pos = p.positions ? static_cast<float>(p.positions[t]) : 0.0f;
+  const int slot = kind == 0 ? 0 : p.slots[t];
+  int e0[kQkvPairsPerLane], e1[kQkvPairsPerLane];
+  float w0[kQkvPairsPerLane], w1[kQkvPairsPerLane], sn[kQkvPairsPerLane], cs[kQkvPairsPerLane];
+#pragma unroll
+  for (int m = 0; m < kQkvPairsPerLane; ++m) {
+    const int q = lane + 32 * m;
+    if (q < rh) {
+      e0[m] = p.rope_half ? q : 2 * q;
+      e1[m] = p.rope_half ? q + rh : 2 * q + 1;
+    } else {
+      e0[m] = p.rot_dim + 2 * (q - rh);
+      e1[m] = e0[m] + 1;
+    }
+    const bool mine = real && q < pairs;
+    w0[m] = mine && normed ? w[e0[m]] : 1.0f;
+    w1[m] = mine && normed ? w[e1[m]] : 1.0f;
+    sn[m] = 0.0f, cs[m] = 1.0f;
+    if (mine && kind != 2 && q < rh) sincosf(pos * p.inv_freq[q], &sn[m], &cs[m]);
+  }
+  wait_for_predecessor();
+  allow_dependents();
   __shared__ float red[32];
   __shared__ float full_inv[2];
-  const int t = blockIdx.x;
-  const int hd = p.head_dim, pairs = hd / 2, rh = p.rot_dim / 2;
   const int width = (p.q_heads + 2 * p.kv_heads) * hd;
   const float* row = qkv + static_cast<size_t>(t) * width;
   if (p.qk_norm == 2) {
@@ -255,53 +288,28 @@ __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const float* __rest
     }
     __syncthreads();
   }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int head = blockIdx.y * kQkvWarps + warp;
-  if (head >= p.q_heads + 2 * p.kv_heads) return;
-  const int kind = head < p.q_heads ? 0 : (head < p.q_heads + p.kv_heads ? 1 : 2);  // q, k, v
-  const int h = kind == 0 ? head : (kind == 1 ? head - p.q_heads : head - p.q_heads - p.kv_heads);
+  if (!real) return;
   const float* src = row + static_cast<size_t>(head) * hd;
   const float* bias = p.bias ? p.bias + static_cast<size_t>(head) * hd : nullptr;
 
-  int e0[kQkvPairsPerLane];
   float a[kQkvPairsPerLane], b[kQkvPairsPerLane];
   float ss = 0.0f;
 #pragma unroll
   for (int m = 0; m < kQkvPairsPerLane; ++m) {
     const int q = lane + 32 * m;
-    int i0 = 0, i1 = 1;
-    if (q < rh) {
-      i0 = p.rope_half ? q : 2 * q;
-      i1 = p.rope_half ? q + rh : 2 * q + 1;
-    } else {
-      i0 = p.rot_dim + 2 * (q - rh);
-      i1 = i0 + 1;
-    }
-    e0[m] = i0;
     a[m] = b[m] = 0.0f;
     if (q < pairs) {
-      a[m] = src[i0] + (bias ? bias[i0] : 0.0f);
-      b[m] = src[i1] + (bias ? bias[i1] : 0.0f);
+      a[m] = src[e0[m]] + (bias ? bias[e0[m]] : 0.0f);
+      b[m] = src[e1[m]] + (bias ? bias[e1[m]] : 0.0f);
       ss += a[m] * a[m] + b[m] * b[m];
     }
   }
-  const bool normed = p.qk_norm != 0 && kind != 2;
   float inv = 1.0f;
-  const float* w = kind == 0 ? p.q_norm : p.k_norm;
-  if (normed) {
-    if (p.qk_norm == 1) {
-      inv = 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(hd) + p.eps);
-    } else {
-      inv = full_inv[kind];
-      w += static_cast<size_t>(h) * hd;
-    }
-  }
-  const float pos = p.positions ? static_cast<float>(p.positions[t]) : 0.0f;
+  if (normed) inv = p.qk_norm == 1 ? 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(hd) + p.eps) : full_inv[kind];
   uint16_t* dst;
   if (kind == 0) {
     dst = p.q_out + (static_cast<size_t>(t) * p.q_heads + h) * hd;
   } else {
-    const int slot = p.slots[t];
     if (slot < 0) return;
     dst = (kind == 1 ? p.k_cache : p.v_cache) + (static_cast<size_t>(slot) * p.kv_heads + h) * hd;
   }
@@ -309,20 +317,18 @@ __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const float* __rest
   for (int m = 0; m < kQkvPairsPerLane; ++m) {
     const int q = lane + 32 * m;
     if (q >= pairs) continue;
-    const int i0 = e0[m];
-    const int i1 = q < rh && p.rope_half ? q + rh : i0 + 1;
+    const int i0 = e0[m], i1 = e1[m];
     float x0 = a[m], x1 = b[m];
     if (normed) {
-      x0 = w[i0] * (x0 * inv);
-      x1 = w[i1] * (x1 * inv);
+      x0 = w0[m] * (x0 * inv);
+      x1 = w1[m] * (x1 * inv);
     }
     if (p.clip > 0.0f) {
       x0 = fminf(fmaxf(x0, -p.clip), p.clip);
       x1 = fminf(fmaxf(x1, -p.clip), p.clip);
     }
     if (kind != 2 && q < rh) {
-      float s, c;
-      sincosf(pos * p.inv_freq[q], &s, &c);
+      const float s = sn[m], c = cs[m];
       const float r0 = x0 * c - x1 * s, r1 = x1 * c + x0 * s;
       x0 = r0;
       x1 = r1;

@@ -1,8 +1,11 @@
 // Programmatic dependent launch: a kernel launched with launch_dependent() may be scheduled
 // while its predecessor on the stream is still finishing, which hides the launch gap between
 // the many short kernels of a decode step. Such a kernel must call wait_for_predecessor() before
-// it touches global memory (it returns once the predecessor has completed and its writes are
-// visible); in a grid launched without the attribute both calls are no-ops.
+// it reads anything earlier work on the stream writes, or writes anything at all (it returns
+// once the predecessor has completed and its writes are visible). Only what stays constant over
+// the forward may be read before it: the weights, and the step's metadata (positions, slots,
+// lengths, block tables), which is copied in before the forward's first kernel. In a grid
+// launched without the attribute both calls are no-ops.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,6 +27,15 @@ __device__ __forceinline__ void allow_dependents() {
 __device__ __forceinline__ void begin_dependent() {
   wait_for_predecessor();
   allow_dependents();
+}
+
+// Asks L2 for `bytes` of weights at `p`, one request per 128-byte line spread over the block's
+// threads. Called before wait_for_predecessor(), it overlaps the weights' HBM latency with the
+// predecessor's tail; the kernel's own loads of them then hit L2.
+__device__ __forceinline__ void prefetch_weights_l2(const void* p, size_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (size_t off = static_cast<size_t>(threadIdx.x) * 128; off < bytes; off += static_cast<size_t>(blockDim.x) * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
 }
 
 // Launches `kernel`, as a programmatic dependent of the preceding work on `stream` when

@@ -51,21 +51,44 @@ __device__ __forceinline__ uint32_t value_key(float v) { return order_key(v + 0.
 
 // The CPU's softmax denominator: buf[0] + buf[1] + ... in expert order, in f32. A tree order
 // differs from it by up to ~1.4e-6 relative at 128-512 experts (the CPU's own rounding error),
-// past the weights' bound, so the order is kept. Every lane reads the same words (a broadcast),
-// so every lane ends with the sum and the chain costs one dependent add per expert.
-__device__ __forceinline__ float serial_sum(const float* buf, int n) {
+// past the weights' bound, so the order is kept. buf holds 32 P values, zero past the experts
+// (adding +0 to the positive sum changes nothing). Every lane reads the same words (a
+// broadcast), eight 16-byte loads at a time ahead of their adds, so the chain is one dependent add
+// per value and every lane ends with the sum.
+template <int P>
+__device__ __forceinline__ float serial_sum(const float* buf) {
+  constexpr int kInFlight = 8;  // 16-byte loads issued before their adds
   float s = 0.0f;
-  int e = 0;
-#pragma unroll 4
-  for (; e + 4 <= n; e += 4) {
-    const float4 q = *reinterpret_cast<const float4*>(buf + e);
-    s += q.x;
-    s += q.y;
-    s += q.z;
-    s += q.w;
+#pragma unroll
+  for (int g = 0; g < 8 * P; g += kInFlight) {
+    float4 q[kInFlight];
+#pragma unroll
+    for (int i = 0; i < kInFlight; ++i) q[i] = reinterpret_cast<const float4*>(buf)[g + i];
+#pragma unroll
+    for (int i = 0; i < kInFlight; ++i) {
+      s += q[i].x;
+      s += q[i].y;
+      s += q[i].z;
+      s += q[i].w;
+    }
   }
-  for (; e < n; ++e) s += buf[e];
   return s;
+}
+
+// A lane's candidates in the order the top-k rounds take them: larger key first, the lower index
+// first among equal keys (an unrolled insertion sort that swaps only on a strictly larger key).
+template <int P>
+__device__ __forceinline__ void sort_candidates(uint32_t (&key)[P], int (&idx)[P]) {
+#pragma unroll
+  for (int i = 1; i < P; ++i)
+#pragma unroll
+    for (int j = i; j > 0; --j)
+      if (key[j] > key[j - 1]) {
+        const uint32_t tk = key[j];
+        key[j] = key[j - 1], key[j - 1] = tk;
+        const int ti = idx[j];
+        idx[j] = idx[j - 1], idx[j - 1] = ti;
+      }
 }
 
 // Groups that do not fall on lane boundaries: through shared memory, lane g scores group g (the
@@ -180,11 +203,11 @@ __device__ __forceinline__ void route_token(Load load, const RouterParams& p, in
     mx = from_order_key(__reduce_max_sync(kFull, value_key(mx)));
 #pragma unroll
     for (int j = 0; j < P; ++j) {
-      s[j] = exp_rounded(s[j] - mx);
-      if (base + j < n) buf[base + j] = s[j];
+      s[j] = exp_rounded(s[j] - mx);  // exactly 0 past the experts (exp of -inf)
+      buf[base + j] = s[j];
     }
     __syncwarp();
-    const float sum = serial_sum(buf, n);
+    const float sum = serial_sum<P>(buf);
 #pragma unroll
     for (int j = 0; j < P; ++j) s[j] = s[j] / sum;
   } else {
@@ -211,20 +234,27 @@ __device__ __forceinline__ void route_token(Load load, const RouterParams& p, in
     }
   }
 
-  // k rounds: each lane offers its best untaken expert (strict > keeps the lower index among
-  // equal ones), the warp takes the largest key; among equal keys the lowest lane, which holds
-  // the lowest experts.
+  // k rounds: each lane offers the head of its sorted candidates, the warp takes the largest key;
+  // among equal keys the lowest lane, which holds the lowest experts. Key 0 marks no candidate
+  // (every real value's key is larger, NaN included).
+  uint32_t key[P];
+  int idx[P];
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+    key[j] = base + j < n ? value_key(c[j]) : 0u;
+    idx[j] = j;
+  }
+  sort_candidates<P>(key, idx);
   uint32_t taken = 0;
   for (int r = 0; r < k; ++r) {
-    float bv = 0.0f;
-    int bj = -1;
+    const uint32_t m = __reduce_max_sync(kFull, key[0]);
+    const unsigned ball = __ballot_sync(kFull, key[0] == m);
+    if (lane == __ffs(ball) - 1) {
+      taken |= 1u << idx[0];
 #pragma unroll
-    for (int j = 0; j < P; ++j)
-      if (base + j < n && !(taken >> j & 1u) && (bj < 0 || c[j] > bv)) bv = c[j], bj = j;
-    const uint32_t key = bj >= 0 ? value_key(bv) : 0u;
-    const uint32_t m = __reduce_max_sync(kFull, key);
-    const unsigned ball = __ballot_sync(kFull, bj >= 0 && key == m);
-    if (lane == __ffs(ball) - 1) taken |= 1u << bj;
+      for (int j = 0; j + 1 < P; ++j) key[j] = key[j + 1], idx[j] = idx[j + 1];
+      key[P - 1] = 0u;
+    }
   }
   // Ascending ids: a chosen expert's slot is the number of chosen experts below it. Counts are
   // <= 16, so five ballots of their bits give every lane its exclusive prefix.
@@ -247,7 +277,9 @@ __device__ __forceinline__ void route_token(Load load, const RouterParams& p, in
     }
   __syncwarp();
   float sum = 0.0f;  // in ascending expert order, as the CPU
-  for (int j = 0; j < k; ++j) sum += s_w[j];
+#pragma unroll
+  for (int j = 0; j < kRouterMaxTopK; ++j)
+    if (j < k) sum += s_w[j];
   if (lane < k) {
     float w = s_w[lane];
     if (p.renormalize) w = w / (p.sigmoid ? sum + 1e-20f : sum);
