@@ -47,21 +47,8 @@ __global__ void lab_kernel(const float* logits, RouterParams p, int phase, long 
       if (phase == 2) { for (int j = 0; j < P; ++j) buf[lane * P + j] = s[j]; __syncwarp(); sink += serial_sum<P>(buf); }
       if (phase == 7) {
         uint32_t key[P];
-        int idx[P];
-        for (int j = 0; j < P; ++j) key[j] = value_key(s[j]), idx[j] = j;
-        sort_candidates<P>(key, idx);
-        uint32_t taken = 0;
-        for (int rr = 0; rr < K; ++rr) {
-          const uint32_t m = __reduce_max_sync(kFull, key[0]);
-          const unsigned ball = __ballot_sync(kFull, key[0] == m);
-          if (lane == __ffs(ball) - 1) {
-            taken |= 1u << idx[0];
-#pragma unroll
-            for (int j = 0; j + 1 < P; ++j) key[j] = key[j + 1], idx[j] = idx[j + 1];
-            key[P - 1] = 0u;
-          }
-        }
-        sink += taken;
+        for (int j = 0; j < P; ++j) key[j] = value_key(s[j]);
+        sink += take_top_k<P>(key, K, lane);
       }
       if (phase == 4) { const float sum = s[0] + 7.f; for (int j = 0; j < P; ++j) sink += s[j] / sum; }
       if (phase == 3) {

@@ -75,10 +75,17 @@ __device__ __forceinline__ float serial_sum(const float* buf) {
   return s;
 }
 
-// A lane's candidates in the order the top-k rounds take them: larger key first, the lower index
-// first among equal keys (an unrolled insertion sort that swaps only on a strictly larger key).
+// The top-k choice's k rounds over each lane's P candidate keys (key 0: no candidate; every real
+// value's key is larger, NaN included); returns the bits j of this lane's candidates taken. Each
+// lane sorts its candidates once (larger key first; an insertion sort that swaps only on a
+// strictly larger key, so the lower index goes first among equal ones) and offers its head; the
+// warp takes the largest key, among equal keys from the lowest lane, which holds the lowest
+// experts. A round is then one max, one ballot and a shift.
 template <int P>
-__device__ __forceinline__ void sort_candidates(uint32_t (&key)[P], int (&idx)[P]) {
+__device__ __forceinline__ uint32_t take_top_k(uint32_t (&key)[P], int k, int lane) {
+  int idx[P];
+#pragma unroll
+  for (int j = 0; j < P; ++j) idx[j] = j;
 #pragma unroll
   for (int i = 1; i < P; ++i)
 #pragma unroll
@@ -89,6 +96,18 @@ __device__ __forceinline__ void sort_candidates(uint32_t (&key)[P], int (&idx)[P
         const int ti = idx[j];
         idx[j] = idx[j - 1], idx[j - 1] = ti;
       }
+  uint32_t taken = 0;
+  for (int r = 0; r < k; ++r) {
+    const uint32_t m = __reduce_max_sync(kFull, key[0]);
+    const unsigned ball = __ballot_sync(kFull, key[0] == m);
+    if (lane == __ffs(ball) - 1) {
+      taken |= 1u << idx[0];
+#pragma unroll
+      for (int j = 0; j + 1 < P; ++j) key[j] = key[j + 1], idx[j] = idx[j + 1];
+      key[P - 1] = 0u;
+    }
+  }
+  return taken;
 }
 
 // Groups that do not fall on lane boundaries: through shared memory, lane g scores group g (the
@@ -234,28 +253,10 @@ __device__ __forceinline__ void route_token(Load load, const RouterParams& p, in
     }
   }
 
-  // k rounds: each lane offers the head of its sorted candidates, the warp takes the largest key;
-  // among equal keys the lowest lane, which holds the lowest experts. Key 0 marks no candidate
-  // (every real value's key is larger, NaN included).
   uint32_t key[P];
-  int idx[P];
 #pragma unroll
-  for (int j = 0; j < P; ++j) {
-    key[j] = base + j < n ? value_key(c[j]) : 0u;
-    idx[j] = j;
-  }
-  sort_candidates<P>(key, idx);
-  uint32_t taken = 0;
-  for (int r = 0; r < k; ++r) {
-    const uint32_t m = __reduce_max_sync(kFull, key[0]);
-    const unsigned ball = __ballot_sync(kFull, key[0] == m);
-    if (lane == __ffs(ball) - 1) {
-      taken |= 1u << idx[0];
-#pragma unroll
-      for (int j = 0; j + 1 < P; ++j) key[j] = key[j + 1], idx[j] = idx[j + 1];
-      key[P - 1] = 0u;
-    }
-  }
+  for (int j = 0; j < P; ++j) key[j] = base + j < n ? value_key(c[j]) : 0u;
+  const uint32_t taken = take_top_k<P>(key, k, lane);
   // Ascending ids: a chosen expert's slot is the number of chosen experts below it. Counts are
   // <= 16, so five ballots of their bits give every lane its exclusive prefix.
   const int count = __popc(taken);
