@@ -539,7 +539,8 @@ DecodePlan plan_decode(int tokens, int max_context, int split_keys) {
 // (split_cap 0: the chunk as given).
 __device__ __forceinline__ int decode_chunk(int visible, int chunk, int split_cap) {
   if (split_cap <= 0) return chunk;
-  if (visible <= kDecOneSplitKeys) return visible > chunk ? (visible + kDecKeys - 1) / kDecKeys * kDecKeys : chunk;
+  if (visible <= kDecOneSplitKeys)
+    return visible > chunk ? (visible + kDecKeys - 1) / kDecKeys * kDecKeys : chunk;
   int c = (visible + split_cap - 1) / split_cap;
   c = (c + kDecKeys - 1) / kDecKeys * kDecKeys;
   return c > chunk ? c : chunk;

@@ -56,7 +56,8 @@ __global__ void __launch_bounds__(kWarps * 32) norm_route_kernel(NormRouteParams
   {
     const int first = blockIdx.x * kWarps, rows = min(kWarps, p.experts - first);
     const size_t row_bytes = static_cast<size_t>(q.hidden) * 2;
-    if (rows > 0) prefetch_weights_l2(q.router_weight + static_cast<size_t>(first) * q.hidden, rows * row_bytes);
+    if (rows > 0)
+      prefetch_weights_l2(q.router_weight + static_cast<size_t>(first) * q.hidden, rows * row_bytes);
     prefetch_weights_l2(q.norm_weight, static_cast<size_t>(q.hidden) * 4);
   }
   begin_dependent();

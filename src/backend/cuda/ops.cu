@@ -305,7 +305,8 @@ __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const float* __rest
     }
   }
   float inv = 1.0f;
-  if (normed) inv = p.qk_norm == 1 ? 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(hd) + p.eps) : full_inv[kind];
+  if (normed)
+    inv = p.qk_norm == 1 ? 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(hd) + p.eps) : full_inv[kind];
   uint16_t* dst;
   if (kind == 0) {
     dst = p.q_out + (static_cast<size_t>(t) * p.q_heads + h) * hd;

@@ -34,7 +34,8 @@ __device__ __forceinline__ void begin_dependent() {
 // predecessor's tail; the kernel's own loads of them then hit L2.
 __device__ __forceinline__ void prefetch_weights_l2(const void* p, size_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (size_t off = static_cast<size_t>(threadIdx.x) * 128; off < bytes; off += static_cast<size_t>(blockDim.x) * 128)
+  const size_t step = static_cast<size_t>(blockDim.x) * 128;
+  for (size_t off = static_cast<size_t>(threadIdx.x) * 128; off < bytes; off += step)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
 }
 
