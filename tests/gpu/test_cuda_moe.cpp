@@ -334,14 +334,18 @@ TEST(CudaMoe, WideShapeOnlyTheGemmRuns) {
 
 // The two grouped GEMMs on the same inputs: the same bf16 roundings of act and the partial
 // sums, f32 sums in another order, so a rounding step apart in some elements at most; checked
-// where each row tile size is taken (M = 200: 64 rows; M = 2048: 128 rows), with the
-// deepseek-v2-lite shape's 11 gate_up column tiles and 22 down k-steps.
+// where each row tile size is taken (M = 200: 64 rows; M = 1024: 128 rows; M = 2048: 256 rows),
+// with the deepseek-v2-lite shape's 11 gate_up column tiles (22 at 256 rows) and 22 down k-steps.
 TEST(CudaMoe, WgmmaAgreesWithGemm) {
   REQUIRE_GPU();
   if (!device_is_sm90()) GTEST_SKIP() << "the wgmma path needs compute capability 9.0";
   std::mt19937 rng(14);
   const Layer l = make_layer(64, 2048, 1408, rng);
-  for (int64_t t : {200, 2048}) {
+  namespace hx = cuda::heuristics;
+  ASSERT_EQ(hx::wgmma_tile_m(200, 6, 64), 64);
+  ASSERT_EQ(hx::wgmma_tile_m(1024, 6, 64), 128);
+  ASSERT_EQ(hx::wgmma_tile_m(2048, 6, 64), 256);
+  for (int64_t t : {200, 1024, 2048}) {
     const auto ids = route(64, t, 6, 0.97, rng);
     std::mt19937 a(t), b(t);  // the same x and weights for both runs
     const GpuRun gemm = run(l, t, 6, ids, ExpertPath::kGemm, a);
@@ -357,6 +361,47 @@ TEST(CudaMoe, WgmmaAgreesWithGemm) {
     // elements; a wrong tile, row or column would put an error of the order of 1 on whole tiles
     // of the ~1e3 here. 1e-2 sits between.
     EXPECT_LE(std::sqrt(num / den), kBound) << "M=" << t;
+  }
+}
+
+// 256-row tiles (taken where experts average a little more than one 128-row tile): each consumer
+// warpgroup takes 128 rows as two 64-row sub-tiles and skips those past the expert's end. Loads
+// chosen to hit every case: an expert of two and a half tiles, tiles that end inside the first
+// sub-tile of either consumer and inside the second, exactly full tiles (256, 512 and 1280 rows),
+// experts of one row and of none. Against the CPU on sampled rows and against the mma.sync GEMM
+// on every element.
+TEST(CudaMoe, WgmmaTallRowTiles) {
+  REQUIRE_GPU();
+  if (!device_is_sm90()) GTEST_SKIP() << "the wgmma path needs compute capability 9.0";
+  std::mt19937 rng(15);
+  const int64_t experts = 16, hidden = 1024, inter = 512, k = 2, tokens = 1280;
+  ASSERT_EQ(cuda::heuristics::wgmma_tile_m(tokens, k, experts), 256);
+  const Layer l = make_layer(experts, hidden, inter, rng);
+  // Rows per expert (2560 slots); the i-th and (i + tokens)-th of the expert-sorted slot list
+  // go to token i, distinct experts as long as no expert has more than `tokens` rows.
+  const std::vector<std::vector<int>> loads = {
+      {520, 300, 257, 256, 193, 150, 129, 100, 65, 64, 13, 1, 0, 0, 512, 0},
+      {0, 0, 0, 1280, 0, 0, 0, 0, 0, 0, 0, 1280, 0, 0, 0, 0}};
+  for (const auto& load : loads) {
+    std::vector<int32_t> sorted;
+    for (int e = 0; e < static_cast<int>(load.size()); ++e) sorted.insert(sorted.end(), load[e], e);
+    ASSERT_EQ(static_cast<int64_t>(sorted.size()), tokens * k);
+    std::vector<int32_t> ids;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int32_t a = sorted[t], b = sorted[t + tokens];
+      ASSERT_NE(a, b);
+      ids.insert(ids.end(), {std::min(a, b), std::max(a, b)});
+    }
+    std::mt19937 ra(7), rb(7);  // the same x and weights for both runs
+    const GpuRun gemm = run(l, tokens, k, ids, ExpertPath::kGemm, ra);
+    const GpuRun wgmma = run(l, tokens, k, ids, ExpertPath::kWgmma, rb);
+    EXPECT_LE(wgmma.rel, kBound) << "largest load " << load[0];
+    double num = 0, den = 0;
+    for (size_t i = 0; i < gemm.y.size(); ++i) {
+      num += (wgmma.y[i] - gemm.y[i]) * double(wgmma.y[i] - gemm.y[i]);
+      den += double(gemm.y[i]) * gemm.y[i];
+    }
+    EXPECT_LE(std::sqrt(num / den), kBound) << "largest load " << load[0];
   }
 }
 

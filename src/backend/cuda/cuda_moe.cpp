@@ -34,7 +34,7 @@ Layout layout(const ExpertShape& s, int64_t max_tokens) {
   if (h::wgmma_supports(s.hidden, s.inter)) {
     // Split-K pieces of the down projection (f32), for the few token counts small enough to use
     // them; the split count only falls as the tokens, hence the row tiles, grow.
-    for (int tile_m : {64, 128}) {
+    for (int tile_m : {64, 128, 256}) {
       for (int64_t t = 1; t <= max_tokens; ++t) {
         const int splits = h::wgmma_down_splits(h::max_row_tiles(t * s.top_k, s.experts, tile_m),
                                                 s.hidden, s.inter);
@@ -215,17 +215,18 @@ void Experts::run(const uint16_t* x, const int32_t* ids, const float* weights, i
   if (partials && x == nullptr) {  // describe only
     if (path == ExpertPath::kWgmma)
       MOE_CUDA_CHECK(kernels::wgmma_partial_sums(
-          b, m, h::gemm_tile_m(tokens, shape_.top_k, shape_.experts), &sums));
+          b, m, h::wgmma_tile_m(tokens, shape_.top_k, shape_.experts), &sums));
     else
       sums.bf16 = path == ExpertPath::kGemm;
   } else if (path == ExpertPath::kGemv) {
     MOE_CUDA_CHECK(kernels::launch_decode(b, x, ids, weights, m, y, st));
   } else {
-    const int tile_m = h::gemm_tile_m(tokens, shape_.top_k, shape_.experts);
     if (path == ExpertPath::kWgmma)
-      MOE_CUDA_CHECK(kernels::launch_prefill_wgmma(b, x, ids, weights, m, tile_m, y, st));
+      MOE_CUDA_CHECK(kernels::launch_prefill_wgmma(
+          b, x, ids, weights, m, h::wgmma_tile_m(tokens, shape_.top_k, shape_.experts), y, st));
     else
-      MOE_CUDA_CHECK(kernels::launch_prefill(b, x, ids, weights, m, tile_m, y, st));
+      MOE_CUDA_CHECK(kernels::launch_prefill(
+          b, x, ids, weights, m, h::gemm_tile_m(tokens, shape_.top_k, shape_.experts), y, st));
   }
   if (partials) *partials = Partials{b.part, sums.bf16, sums.splits, sums.split_stride};
 }

@@ -22,6 +22,7 @@
 //    the GEMV by the rule below (GEMV 138 vs wgmma 142 on qwen3).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace moe::cuda::heuristics {
@@ -79,6 +80,24 @@ constexpr int kGemmDownCols = kGemmWeightRows;        // hidden columns per bloc
 inline int gemm_tile_m(int64_t tokens, int64_t top_k, int64_t experts) {
   const double per_expert = static_cast<double>(tokens * top_k) / static_cast<double>(experts);
   return per_expert > 64.0 ? 128 : 64;
+}
+
+// The wgmma path's row tile: gemm_tile_m's, or 256 rows (with 128-row weight tiles) where
+// experts average more rows than one 128-row tile holds yet few would pass 256 under a uniform
+// router's spread (mean + 3 standard deviations <= 256, so up to ~212 rows). There 128-row tiles
+// give most experts a second, partly empty tile that reads all of the expert's weights again,
+// while a 256-row tile reads them once and its consumers skip the 64-row sub-tiles past the
+// expert's end. Past that range two 256-row tiles per expert lose: each weight tile then feeds
+// half the activation rows it did, and the gather of 256 rows a stage costs more than the
+// weights saved. Measured (moe-bench layer --device cuda, H100, 2026-11-22), µs, 128 -> 256:
+// deepseek-v2-lite M = 1536 (144 rows an expert) 701 -> 617, M = 2048 (192) 729 -> 684;
+// qwen3-30b-a3b M = 3072 (192) 885 -> 830; losses at M = 2048 (128 rows) 668 -> 698 and at
+// M = 4096 (256) 945 -> 1148, and at M = 8192 on both shapes (qwen3 1601 -> 2024).
+constexpr double kWgmmaTallTileFrom = 136.0;  // between the loss at 128 and the gain at 144
+inline int wgmma_tile_m(int64_t tokens, int64_t top_k, int64_t experts) {
+  const double per_expert = static_cast<double>(tokens * top_k) / static_cast<double>(experts);
+  const bool fits = per_expert + 3.0 * std::sqrt(per_expert) <= 256.0;
+  return per_expert > kWgmmaTallTileFrom && fits ? 256 : gemm_tile_m(tokens, top_k, experts);
 }
 
 inline bool gemv_supports(int64_t hidden, int64_t inter) {

@@ -1,12 +1,15 @@
 // Large-M routed-expert path on Hopper: the grouped GEMMs of moe_prefill.cu (same plan, same
 // fused SiLU(gate) * up epilogue, same bf16 partial sums by slot and deterministic combine) on
 // wgmma, with the weights brought in by TMA. A work item = one row tile of one expert (BM routed
-// rows, gathered through the plan's order) x 256 weight rows; persistent blocks of 384 threads:
+// rows, gathered through the plan's order) x 256 weight rows (BM = 256: x 128); persistent blocks
+// of 384 threads:
 //  - warpgroup 0 produces: one thread issues the TMA loads of the weight tile (a fixed tensor,
 //    128-byte swizzle); all 128 threads gather the BM activation rows with cp.async into the same
 //    swizzled layout (sm_90 has no TMA gather). Registers handed over with setmaxnreg.
 //  - warpgroups 1 and 2 consume: wgmma m64nNk16 from shared memory, f32 accumulators. BM = 128:
-//    each takes 64 rows x 256 weight rows; BM = 64: both take the 64 rows, each half the weights.
+//    each takes 64 rows x 256 weight rows; BM = 64: both take the 64 rows, each half the weights;
+//    BM = 256 (weight tiles of 128 rows): each takes 128 rows as two m64 sub-tiles, and skips
+//    those that hold no row of the expert (then only keeping the ring turning).
 // A kStages-deep ring of stages with full/empty mbarriers. The full barrier of a stage completes
 // when the TMA bytes have landed and each producer thread has seen its own cp.async group done,
 // fenced it to the async proxy (which the tensor cores read through) and arrived.
@@ -17,6 +20,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cuda/moe_decode_launch.h"
 #include "backend/cuda/moe_heuristics.h"
@@ -32,17 +36,22 @@ constexpr int kThreads = 384;
 [[maybe_unused]] constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 * 56 + 256 * 224 <= 64K
 
 // BM activation rows x BN weight rows per block: BN 256 normally, 128 where the grid of 256-row
-// tiles would leave multiprocessors idle (heuristics::wgmma_narrow_tiles).
+// tiles would leave multiprocessors idle (heuristics::wgmma_narrow_tiles). BM 256 goes with BN
+// 128 only: the same 48 KB a stage and 128 accumulators a consumer thread as BM 128 x BN 256,
+// for experts whose rows would leave a second, nearly empty 128-row tile re-reading the weights.
 template <int BM, int BN>
 struct Cfg {
   static_assert(BN == 256 || BN == 128, "weight rows per block");
-  static constexpr int kParts = BM == 128 ? 1 : 2;  // weight-row parts, one per consumer at BM 64
-  static constexpr int WN = BN / kParts;            // wgmma N of one consumer
-  static constexpr int kBoxRows = WN / 2;           // rows of one TMA box (gate or up half of a part)
+  static_assert(BM == 64 || BM == 128 || (BM == 256 && BN == 128), "row tile");
+  static constexpr int kParts = BM == 64 ? 2 : 1;  // weight-row parts, one per consumer at BM 64
+  static constexpr int WN = BN / kParts;           // wgmma N of one consumer
+  static constexpr int kBoxRows = WN / 2;          // rows of one TMA box (gate or up half of a part)
+  static constexpr int kConsumerRows = BM == 64 ? 64 : BM / 2;  // rows of one consumer
+  static constexpr int kSubs = kConsumerRows / 64;               // its m64 sub-tiles
   static constexpr int kABytes = BM * BK * 2;
   static constexpr int kBBytes = BN * BK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages = BM == 128 ? 4 : 5;  // 192 KB / 200 KB
+  static constexpr int kStages = BM == 64 ? 5 : 4;  // 200 KB / 192 KB (128 KB at BM 128 x BN 128)
   // A producer thread arrives on stage kt's full barrier once it has issued stage kt + kLag
   // (waiting for its own copies of kt then), so that kLag + 1 gathers are in flight per thread
   // while consumers still find the stage ready one step ahead.
@@ -312,16 +321,21 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
       const int e = tile_expert[f.tile];
       const int row0 = tile_row[f.tile];
       const int row_end = min(offsets[e + 1], row0 + BM);
-      const __nv_bfloat16* a_ptr[kARows];
+      // Each row's source: a pointer, or at BM = 256 (16 rows a thread) its start in 16-byte
+      // chunks (32 bits: at most 2^19 slots x 2^10 chunks), which keeps the producer within its
+      // registers. Rows past the expert's end keep an in-bounds address.
+      constexpr bool kChunks = kARows > 8;
+      const __nv_bfloat16* a_ptr[kChunks ? 1 : kARows];
+      uint32_t a_chunk[kChunks ? kARows : 1];
       uint32_t a_ok = 0;
 #pragma unroll
       for (int i = 0; i < kARows; ++i) {
         const int p = row0 + rsub + 16 * i;
         const bool ok = p < row_end;
         if (ok) a_ok |= 1u << i;
-        // Rows past the expert's end are zero-filled; their pointer stays in bounds.
-        const size_t row = kGateUp ? (ok ? order[p] / top_k : 0) : (ok ? p : row0);
-        a_ptr[i] = a_src + row * K + chunk * 8;
+        const uint32_t row = kGateUp ? (ok ? order[p] / top_k : 0) : (ok ? p : row0);
+        if constexpr (kChunks) a_chunk[i] = row * static_cast<uint32_t>(K / 8) + chunk;
+        else a_ptr[i] = a_src + size_t{row} * K + chunk * 8;
       }
       for (int kt = f.kt0; kt < f.kt1; ++kt, ++it) {
         const int s = it % S;
@@ -331,7 +345,12 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
 #pragma unroll
         for (int i = 0; i < kARows; ++i) {
           const int r = rsub + 16 * i;
-          cp_async16(sa + r * 128 + ((chunk ^ (r & 7)) << 4), a_ptr[i] + kt * BK, (a_ok >> i) & 1u);
+          const __nv_bfloat16* src;
+          if constexpr (kChunks) src = a_src + size_t{a_chunk[i]} * 8 + kt * BK;
+          else src = a_ptr[i] + kt * BK;
+          // Rows past the expert's end are zero-filled rather than skipped: leaving them out
+          // measured slower (qwen3-30b-a3b M = 2048: 670 -> 682 µs).
+          cp_async16(sa + r * 128 + ((chunk ^ (r & 7)) << 4), src, (a_ok >> i) & 1u);
         }
         cp_async_commit();
         if (it >= C::kLag) {
@@ -348,58 +367,88 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
     setmaxnreg_inc<kConsumerRegs>();
     const int cw = wg - 1;  // consumer 0 or 1
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-    const uint32_t a_off = BM == 128 ? cw * 64 * 128 : 0;
-    const uint32_t b_off = BM == 128 ? 0 : cw * C::WN * 128;
-    const int part = BM == 128 ? 0 : cw;
+    const uint32_t a_off = BM == 64 ? 0 : cw * C::kConsumerRows * 128;
+    const uint32_t b_off = BM == 64 ? cw * C::WN * 128 : 0;
+    const int part = BM == 64 ? cw : 0;
+    constexpr int U = C::kSubs;
     int it = 0;
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
       const Item f = item_at(item);
       const int ct = f.ct;
       const int row0 = tile_row[f.tile];
       const int row_end = min(offsets[tile_expert[f.tile] + 1], row0 + BM);
-      // The epilogue's two rows, and for down their slots and routing weights, fetched before
-      // the k loop so that their latency hides under it.
-      int prow[2], slot[2] = {0, 0};
-      float scale[2] = {0.f, 0.f};
+      const int my_row0 = row0 + (BM == 64 ? 0 : cw * C::kConsumerRows);
+      // Sub-tiles holding at least one of the expert's rows (the same for the whole warpgroup).
+      const int subs = min(U, max(0, (row_end - my_row0 + 63) / 64));
+      // The epilogue's rows, and for down their slots and routing weights, fetched before the k
+      // loop so that their latency hides under it.
+      int prow[U][2], slot[U][2];
+      float scale[U][2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        prow[h] = row0 + (BM == 128 ? cw * 64 : 0) + 16 * warp + lane / 4 + 8 * h;
-        if (!kGateUp && prow[h] < row_end) {
-          slot[h] = order[prow[h]];
-          scale[h] = weights[slot[h]];
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          prow[u][h] = my_row0 + 64 * u + 16 * warp + lane / 4 + 8 * h;
+          slot[u][h] = 0;
+          scale[u][h] = 0.f;
+          if (!kGateUp && prow[u][h] < row_end) {
+            slot[u][h] = order[prow[u][h]];
+            scale[u][h] = weights[slot[u][h]];
+          }
         }
-      }
-      float acc[C::WN / 2];
+      float acc[U][C::WN / 2];
 #pragma unroll
-      for (int i = 0; i < C::WN / 2; ++i) acc[i] = 0.f;
-      for (int kt = f.kt0; kt < f.kt1; ++kt, ++it) {
-        const int s = it % S;
-        mbar_wait(full(s), (it / S) & 1);
-        const uint32_t sa = base + s * C::kStageBytes + a_off;
-        const uint32_t sb = base + s * C::kStageBytes + C::kABytes + b_off;
-        wgmma_fence();
+      for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk)
-          wgmma_tile<C::WN>(acc, sw128_desc(sa + kk * 32), sw128_desc(sb + kk * 32));
-        wgmma_commit();
-        // The previous step is done with its stage once at most this step's group is pending.
-        wgmma_wait<1>();
-        fence_regs(acc);
-        if (kt > f.kt0) {
-          __syncwarp();
-          if (lane == 0) mbar_arrive(empty((it - 1) % S));
+        for (int i = 0; i < C::WN / 2; ++i) acc[u][i] = 0.f;
+      // The k loop for N active sub-tiles, one copy per N: a branch around the wgmmas inside one
+      // loop makes ptxas serialise them (C7520), as it cannot tell the branch is uniform. Only BM
+      // = 256 skips: at BM = 128 a consumer idling on a tile's empty half measured slower
+      // (qwen3-30b-a3b M = 2048: 668 -> 692 µs, H100), its rows' wgmmas there being free.
+      auto k_loop = [&](auto active) {
+        constexpr int N = decltype(active)::value;
+        for (int kt = f.kt0; kt < f.kt1; ++kt, ++it) {
+          const int s = it % S;
+          mbar_wait(full(s), (it / S) & 1);
+          if constexpr (N > 0) {
+            const uint32_t sa = base + s * C::kStageBytes + a_off;
+            const uint32_t sb = base + s * C::kStageBytes + C::kABytes + b_off;
+            wgmma_fence();
+#pragma unroll
+            for (int u = 0; u < N; ++u)
+#pragma unroll
+              for (int kk = 0; kk < BK / 16; ++kk)
+                wgmma_tile<C::WN>(acc[u], sw128_desc(sa + u * 64 * 128 + kk * 32), sw128_desc(sb + kk * 32));
+            wgmma_commit();
+            // The previous step is done with its stage once at most this step's group is pending.
+            wgmma_wait<1>();
+#pragma unroll
+            for (int u = 0; u < N; ++u) fence_regs(acc[u]);
+          }
+          if (kt > f.kt0) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty((it - 1) % S));
+          }
         }
-      }
-      wgmma_wait<0>();
-      fence_regs(acc);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty((it - 1) % S));  // the item's last stage, before the stores
+        if constexpr (N > 0) {
+          wgmma_wait<0>();
+#pragma unroll
+          for (int u = 0; u < N; ++u) fence_regs(acc[u]);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty((it - 1) % S));  // the item's last stage, before the stores
+      };
+      if (U == 1 || subs == U) k_loop(std::integral_constant<int, U>{});
+      else if (U == 2 && subs == 1) k_loop(std::integral_constant<int, 1>{});
+      else k_loop(std::integral_constant<int, 0>{});
 
       // Fragment (m64nN, f32): register 4j + 2h + c holds row 16 * warp + lane / 4 + 8h, column
       // 8j + 2 * (lane % 4) + c.
 #pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int p = prow[h];
+        const int p = prow[u][h];
         if (p >= row_end) continue;
         if (kGateUp) {
           // Columns [0, WN/2) of this consumer are gate rows, [WN/2, WN) the matching up rows.
@@ -408,8 +457,9 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
           for (int j = 0; j < C::WN / 16; ++j) {
             const int col = ct * (BN / 2) + part * C::kBoxRows + 8 * j + 2 * (lane % 4);
             if (col >= inter) continue;
-            const float g0 = acc[4 * j + 2 * h], g1 = acc[4 * j + 2 * h + 1];
-            const float u0 = acc[4 * (j + C::WN / 16) + 2 * h], u1 = acc[4 * (j + C::WN / 16) + 2 * h + 1];
+            const float g0 = acc[u][4 * j + 2 * h], g1 = acc[u][4 * j + 2 * h + 1];
+            const float u0 = acc[u][4 * (j + C::WN / 16) + 2 * h];
+            const float u1 = acc[u][4 * (j + C::WN / 16) + 2 * h + 1];
             *reinterpret_cast<__nv_bfloat162*>(act + (size_t)p * inter + col) =
                 __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
           }
@@ -419,17 +469,17 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
           for (int j = 0; j < C::WN / 8; ++j) {
             const int col = ct * BN + part * C::WN + 8 * j + 2 * (lane % 4);
             if (col >= hidden) continue;
-            *reinterpret_cast<__nv_bfloat162*>(sums + (size_t)slot[h] * hidden + col) =
-                __floats2bfloat162_rn(scale[h] * acc[4 * j + 2 * h], scale[h] * acc[4 * j + 2 * h + 1]);
+            *reinterpret_cast<__nv_bfloat162*>(sums + (size_t)slot[u][h] * hidden + col) = __floats2bfloat162_rn(
+                scale[u][h] * acc[u][4 * j + 2 * h], scale[u][h] * acc[u][4 * j + 2 * h + 1]);
           }
         } else {
-          float* sums = static_cast<float*>(out) + ((size_t)f.split * split_stride + slot[h]) * hidden;
+          float* sums = static_cast<float*>(out) + ((size_t)f.split * split_stride + slot[u][h]) * hidden;
 #pragma unroll
           for (int j = 0; j < C::WN / 8; ++j) {
             const int col = ct * BN + part * C::WN + 8 * j + 2 * (lane % 4);
             if (col >= hidden) continue;
             *reinterpret_cast<float2*>(sums + col) =
-                make_float2(scale[h] * acc[4 * j + 2 * h], scale[h] * acc[4 * j + 2 * h + 1]);
+                make_float2(scale[u][h] * acc[u][4 * j + 2 * h], scale[u][h] * acc[u][4 * j + 2 * h + 1]);
           }
         }
       }
@@ -539,7 +589,7 @@ cudaError_t wgmma_partial_sums(const ExpertBuffers& b, int tokens, int tile_m, P
 cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const int* ids,
                                  const float* weights, int tokens, int tile_m, void* y,
                                  cudaStream_t stream) {
-  if (tile_m != 64 && tile_m != 128) return cudaErrorInvalidValue;
+  if (tile_m != 64 && tile_m != 128 && tile_m != 256) return cudaErrorInvalidValue;
   if (b.hidden % BK != 0 || b.inter % BK != 0) return cudaErrorInvalidValue;
   LaunchShape shape;
   cudaError_t err = launch_shape(b, tokens, tile_m, &shape);
@@ -552,6 +602,8 @@ cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const in
   if (tile_m == 64)
     err = narrow ? run_gemms<64, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
                  : run_gemms<64, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
+  else if (tile_m == 256)  // 128-row weight tiles whether narrow or not
+    err = run_gemms<256, 128>(b, x, weights, max_tiles, splits, stride, sms, stream);
   else
     err = narrow ? run_gemms<128, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
                  : run_gemms<128, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);

@@ -11,7 +11,7 @@ namespace moe::cuda::kernels {
 // Plan, grouped GEMM gate_up with SiLU * up in its epilogue, grouped GEMM down (bf16 partial sums
 // scaled by the routing weight), combine: the contract of launch_prefill, on wgmma with the weights
 // loaded by TMA. Needs a device of compute capability 9.0 (the code is sm_90a), hidden and inter
-// multiples of 64, at most 8192; tile_m 64 or 128. The grids are sized for the worst case of
+// multiples of 64, at most 8192; tile_m 64, 128 or 256. The grids are sized for the worst case of
 // `tokens`, so the launch is graph-capturable. cudaErrorNotSupported when the driver offers no
 // cuTensorMapEncodeTiled.
 cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const int* ids,
