@@ -27,6 +27,10 @@
 #include "backend/cuda/moe_wgmma_launch.h"
 #include "backend/cuda/pdl.h"
 
+// The compute_90 (PTX fallback) pass compiles the kernel body out (it needs sm_90a), which leaves
+// the helpers and tile constants below unreferenced there: not worth a warning per helper.
+#pragma nv_diag_suppress 177
+
 namespace moe::cuda::kernels {
 
 namespace {
@@ -48,6 +52,7 @@ struct Cfg {
   static constexpr int kBoxRows = WN / 2;          // rows of one TMA box (gate or up half of a part)
   static constexpr int kConsumerRows = BM == 64 ? 64 : BM / 2;  // rows of one consumer
   static constexpr int kSubs = kConsumerRows / 64;               // its m64 sub-tiles
+  static_assert(kSubs >= 1 && kSubs * 64 == kConsumerRows, "whole m64 sub-tiles");
   static constexpr int kABytes = BM * BK * 2;
   static constexpr int kBBytes = BN * BK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
