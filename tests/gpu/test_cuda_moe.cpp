@@ -556,9 +556,9 @@ TEST(CudaMoe, GraphReplayWithNewRoutingIsExactAndDeterministic) {
 // Small layers (the seed workload: 8 experts, hidden 512, inter 1024, top-2) leave the device
 // short of blocks, so the wgmma path splits the down projection's k range (f32 pieces by slot,
 // added by the combine in split order). Checked where the heuristics split (asserted, so that
-// the test keeps covering it), from 1 to 128 tokens: ragged loads, every token on the same two
-// experts (six get nothing), and the slots of another rank's experts left out, as on a rank of
-// two. The folded-norm form of the split combine is covered by FoldedNextNormMatchesCpuOnEveryPath
+// the test keeps covering it), from 1 to 128 tokens on 64-row tiles and at 600 tokens on 256-row
+// tiles (150 rows an expert): ragged loads, every token on the same two experts (six get
+// nothing), and the slots of another rank's experts left out, as on a rank of two. The folded-norm form of the split combine is covered by FoldedNextNormMatchesCpuOnEveryPath
 // at M = 1 (its down projection splits in two there).
 TEST(CudaMoe, SmallLayerSplitsTheDownProjection) {
   REQUIRE_GPU();
@@ -569,8 +569,9 @@ TEST(CudaMoe, SmallLayerSplitsTheDownProjection) {
   const Layer l = make_layer(e, h, inter, rng);
   std::vector<bool> other_rank(static_cast<size_t>(e));
   for (size_t i = 4; i < other_rank.size(); ++i) other_rank[i] = true;
-  for (int64_t t : {1, 8, 64, 128}) {
-    const int64_t tiles = hx::max_row_tiles(t * k, e, hx::gemm_tile_m(t, k, e));
+  ASSERT_EQ(hx::wgmma_tile_m(600, k, e), 256);
+  for (int64_t t : {1, 8, 64, 128, 600}) {
+    const int64_t tiles = hx::max_row_tiles(t * k, e, hx::wgmma_tile_m(t, k, e));
     ASSERT_GT(hx::wgmma_down_splits(tiles, h, inter), 1) << "M=" << t;
     EXPECT_LE(run(l, t, k, route(e, t, k, 0.8, rng), ExpertPath::kWgmma, rng).rel, kBound) << "M=" << t;
     std::vector<int32_t> same;
@@ -592,7 +593,7 @@ TEST(CudaMoe, FoldedNextNormMatchesCpuOnEveryPath) {
   const cuda::ExpertShape shape{experts, hidden, inter, k};
   // At M = 1 the wgmma path splits the down projection in two (f32 pieces into the folded norm).
   ASSERT_EQ(cuda::heuristics::wgmma_down_splits(
-                cuda::heuristics::max_row_tiles(k, experts, cuda::heuristics::gemm_tile_m(1, k, experts)),
+                cuda::heuristics::max_row_tiles(k, experts, cuda::heuristics::wgmma_tile_m(1, k, experts)),
                 hidden, inter),
             2);
   for (int64_t tokens : {1, 5, 300}) {

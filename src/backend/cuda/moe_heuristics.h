@@ -11,9 +11,10 @@
 //    written without a GPU at hand; on sm_90 it reaches roughly half of what wgmma + TMA does at
 //    compute-bound sizes (M >= 2048). Kept for devices other than sm_90 and as the reference the
 //    Hopper path is checked against.
-//  - Hopper grouped GEMM (moe_wgmma.cu): the same plan, tiles of BM rows x 256 weight rows, wgmma
-//    from 128-byte-swizzled shared memory, weights by TMA, activation rows gathered by cp.async, a
-//    warp-specialised producer and two consumer warpgroups. Taken instead of the grouped GEMM
+//  - Hopper grouped GEMM (moe_wgmma.cu): the same plan, tiles of BM rows x 256 weight rows (or
+//    256 x 128, wgmma_tile_m), wgmma from 128-byte-swizzled shared memory, weights by TMA,
+//    activation rows gathered by cp.async, a warp-specialised producer and two consumer
+//    warpgroups. Taken instead of the grouped GEMM
 //    wherever that one would run, on a device of compute capability 9.0 (the code is sm_90a).
 //    Measured on an H200 (moe-bench layer, graph replays, L2 flushed, 2026-11-21), µs, mma.sync
 //    GEMM -> wgmma: qwen3-30b-a3b M = 128: 330 -> 313, 512: 363 -> 339, 2048: 696 -> 535,
@@ -143,7 +144,8 @@ inline bool wgmma_narrow_tiles(int64_t max_row_tiles, int64_t hidden, int multip
 // split, and the combine adds them in split order, so the result does not depend on which block
 // finishes first. Sized from a fixed target of 128 blocks rather than the device's count, so
 // that the workspace (sized without a device) covers every device; at least 2 k-steps per piece,
-// at most 8 pieces. Only where wgmma_narrow_tiles holds (128-row tiles, hence the column count).
+// at most 8 pieces. Only where wgmma_narrow_tiles holds; the weight tiles are then 128 rows (as
+// they always are with 256-row tiles), hence the column count.
 // Measured on an H200 with the launches made programmatic dependents at the same time (moe-bench
 // layer --device cuda --ep 1 --tokens 64, seed shape): 30.5 -> 25.6 us; the seed's p2p layer on
 // two H200s 45.6 -> 40.4 us.
