@@ -21,7 +21,7 @@ size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 // The workspace, carved in one order by both workspace_bytes() and forward().
 struct Layout {
   size_t offsets = 0, order = 0, active = 0, num_active = 0, tile_expert = 0, tile_row = 0,
-         num_tiles = 0, act = 0, part = 0, total = 0;
+         num_tiles = 0, plan_counts = 0, act = 0, part = 0, total = 0;
 };
 
 Layout layout(const ExpertShape& s, int64_t max_tokens) {
@@ -61,6 +61,7 @@ Layout layout(const ExpertShape& s, int64_t max_tokens) {
   l.tile_expert = take(tiles * 4);
   l.tile_row = take(tiles * 4);
   l.num_tiles = take(4);
+  l.plan_counts = take(static_cast<size_t>(kernels::kMaxPlanBlocks) * s.experts * 4);
   l.act = take(slots * s.inter * 2);
   l.part = take(part);
   l.total = at;
@@ -201,6 +202,7 @@ void Experts::run(const uint16_t* x, const int32_t* ids, const float* weights, i
   b.tile_expert = reinterpret_cast<int*>(base + l.tile_expert);
   b.tile_row = reinterpret_cast<int*>(base + l.tile_row);
   b.num_tiles = reinterpret_cast<int*>(base + l.num_tiles);
+  b.plan_counts = reinterpret_cast<int*>(base + l.plan_counts);
   b.act = base + l.act;
   b.part = base + l.part;
   b.experts = static_cast<int>(shape_.experts);

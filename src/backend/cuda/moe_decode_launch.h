@@ -30,6 +30,10 @@ struct PartialSums {
   bool chained = false;  // a programmatic dependent of the kernel before it (pdl.h)
 };
 
+// Blocks of the plan past one block's worth of slots (moe_decode.cu): ExpertBuffers::plan_counts
+// holds this many rows of per-expert counts.
+constexpr int kMaxPlanBlocks = 128;
+
 // Device pointers, all carved by the caller from one workspace except the weights.
 struct ExpertBuffers {
   const void* gate_up;  // bf16 [experts, 2 * inter, hidden]: gate rows, then up rows
@@ -41,6 +45,7 @@ struct ExpertBuffers {
   int* tile_expert;     // [max row tiles] expert of each GEMM row tile
   int* tile_row;        // [max row tiles] first position in order of each GEMM row tile
   int* num_tiles;       // [1]
+  int* plan_counts = nullptr;  // [kMaxPlanBlocks * experts] the multi-block plan's per-block counts
   void* act;            // bf16 [max slots, inter]: SiLU(gate) * up, row p = position in order
   void* part;           // [max slots, hidden] by slot: f32 (GEMV path) or bf16 (GEMM path)
   int experts, hidden, inter, top_k;

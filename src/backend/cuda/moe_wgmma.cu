@@ -2,11 +2,12 @@
 // fused SiLU(gate) * up epilogue, same bf16 partial sums by slot and deterministic combine) on
 // wgmma, with the weights brought in by TMA. A work item = one row tile of one expert (BM routed
 // rows, gathered through the plan's order) x 256 weight rows (BM = 256: x 128); persistent blocks
-// of 384 threads:
-//  - warpgroup 0 produces: one thread issues the TMA loads of the weight tile (a fixed tensor,
-//    128-byte swizzle); all 128 threads gather the BM activation rows with cp.async into the same
-//    swizzled layout (sm_90 has no TMA gather). Registers handed over with setmaxnreg.
-//  - warpgroups 1 and 2 consume: wgmma m64nNk16 from shared memory, f32 accumulators. BM = 128:
+// of 384 threads (BM = 256: 512):
+//  - warpgroup 0 (BM = 256: 0 and 1) produces: one thread issues the TMA loads of the weight
+//    tile (a fixed tensor, 128-byte swizzle); all producer threads gather the BM activation rows
+//    with cp.async into the same swizzled layout (sm_90 has no TMA gather). Registers handed
+//    over with setmaxnreg.
+//  - the last two warpgroups consume: wgmma m64nNk16 from shared memory, f32 accumulators. BM = 128:
 //    each takes 64 rows x 256 weight rows; BM = 64: both take the 64 rows, each half the weights;
 //    BM = 256 (weight tiles of 128 rows): each takes 128 rows as two m64 sub-tiles, and skips
 //    those that hold no row of the expert (then only keeping the ring turning).
@@ -36,8 +37,6 @@ namespace moe::cuda::kernels {
 namespace {
 
 constexpr int BK = 64;  // one 128-byte swizzle atom of bf16 along k
-constexpr int kThreads = 384;
-[[maybe_unused]] constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 * 56 + 256 * 224 <= 64K
 
 // BM activation rows x BN weight rows per block: BN 256 normally, 128 where the grid of 256-row
 // tiles would leave multiprocessors idle (heuristics::wgmma_narrow_tiles). BM 256 goes with BN
@@ -62,6 +61,17 @@ struct Cfg {
   // while consumers still find the stage ready one step ahead.
   static constexpr int kLag = kStages - 2;
   static constexpr int kSmem = 1024 + kStages * kStageBytes + 2 * kStages * 8;
+  // Producer warpgroups: two at BM 256, so that a thread gathers 8 rows a stage as at BM 128, not
+  // 16. Measured (H100, moe-bench layer, µs, one producer warpgroup -> two): deepseek-v2-lite
+  // M = 2048 678 -> 657; qwen3-30b-a3b with 256-row tiles forced, M = 2048 697 -> 670, 4096
+  // 1139 -> 1106, 8192 2053 -> 2006 (still behind 128-row tiles there: 670, 947, 1604).
+  static constexpr int kProducerWGs = BM == 256 ? 2 : 1;
+  static constexpr int kProducers = 128 * kProducerWGs;
+  static constexpr int kThreads = kProducers + 256;
+  // Registers handed over with setmaxnreg: producers * P + 256 * Q <= 64K.
+  static constexpr int kProducerRegs = kProducerWGs == 1 ? 56 : 40;
+  static constexpr int kConsumerRegs = kProducerWGs == 1 ? 224 : 216;
+  static_assert(kProducers * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -239,7 +249,7 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); 
 // out: gate_up: bf16 act [slots, inter]; down: bf16 partial sums [slots, hidden], or with
 // splits > 1 f32 ones [splits, split_stride slots, hidden].
 template <int BM, int BN, bool kGateUp>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
+__global__ void __launch_bounds__(Cfg<BM, BN>::kThreads, 1) wgmma_gemm_kernel(
     const __grid_constant__ CUtensorMap wmap, const __nv_bfloat16* __restrict__ a_src,
     const int* __restrict__ order, const int* __restrict__ offsets,
     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
@@ -290,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < S; ++s) {
-      mbar_init(full(s), 128 + 1);  // each producer thread, plus the TMA thread's expect_tx
+      mbar_init(full(s), C::kProducers + 1);  // each producer thread, plus the TMA thread's expect_tx
       mbar_init(empty(s), 8);       // each consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -316,10 +326,11 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
   if (static_cast<int>(blockIdx.x) >= items) return;
 
   const int wg = threadIdx.x / 128;
-  if (wg == 0) {
-    setmaxnreg_dec<kProducerRegs>();
+  if (wg < C::kProducerWGs) {
+    setmaxnreg_dec<C::kProducerRegs>();
     const int tid = threadIdx.x, chunk = tid % 8, rsub = tid / 8;
-    constexpr int kARows = BM / 16;  // 16 rows x 8 chunks of 16 bytes per pass of 128 threads
+    constexpr int kPass = C::kProducers / 8;  // rows per pass: 8 chunks of 16 bytes a row
+    constexpr int kARows = BM / kPass;
     int it = 0;  // stage counter over all items
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
       const Item f = item_at(item);
@@ -329,13 +340,13 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
       // Each row's source: a pointer, or at BM = 256 (16 rows a thread) its start in 16-byte
       // chunks (32 bits: at most 2^19 slots x 2^10 chunks), which keeps the producer within its
       // registers. Rows past the expert's end keep an in-bounds address.
-      constexpr bool kChunks = kARows > 8;
+      constexpr bool kChunks = kARows > 8 || C::kProducerWGs > 1;
       const __nv_bfloat16* a_ptr[kChunks ? 1 : kARows];
       uint32_t a_chunk[kChunks ? kARows : 1];
       uint32_t a_ok = 0;
 #pragma unroll
       for (int i = 0; i < kARows; ++i) {
-        const int p = row0 + rsub + 16 * i;
+        const int p = row0 + rsub + kPass * i;
         const bool ok = p < row_end;
         if (ok) a_ok |= 1u << i;
         const uint32_t row = kGateUp ? (ok ? order[p] / top_k : 0) : (ok ? p : row0);
@@ -349,7 +360,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
         if (tid == 0 && it >= prefetched) load_weights(s, e, f.ct, kt);
 #pragma unroll
         for (int i = 0; i < kARows; ++i) {
-          const int r = rsub + 16 * i;
+          const int r = rsub + kPass * i;
           const __nv_bfloat16* src;
           if constexpr (kChunks) src = a_src + size_t{a_chunk[i]} * 8 + kt * BK;
           else src = a_ptr[i] + kt * BK;
@@ -369,8 +380,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_gemm_kernel(
     fence_proxy_async();
     for (int j = it > C::kLag ? it - C::kLag : 0; j < it; ++j) mbar_arrive(full(j % S));
   } else {
-    setmaxnreg_inc<kConsumerRegs>();
-    const int cw = wg - 1;  // consumer 0 or 1
+    setmaxnreg_inc<C::kConsumerRegs>();
+    const int cw = wg - C::kProducerWGs;  // consumer 0 or 1
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const uint32_t a_off = BM == 64 ? 0 : cw * C::kConsumerRows * 128;
     const uint32_t b_off = BM == 64 ? cw * C::WN * 128 : 0;
@@ -544,12 +555,12 @@ cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weight
   auto* act = static_cast<__nv_bfloat16*>(b.act);
   const int gu_cols = (b.inter + BN / 2 - 1) / (BN / 2), down_cols = (b.hidden + BN - 1) / BN;
   const int gu_items = max_tiles * gu_cols, down_items = max_tiles * down_cols * splits;
-  err = launch_dependent(gate_up, dim3(gu_items < sms ? gu_items : sms), dim3(kThreads), C::kSmem, stream,
+  err = launch_dependent(gate_up, dim3(gu_items < sms ? gu_items : sms), dim3(C::kThreads), C::kSmem, stream,
                          gate_up_map, static_cast<const __nv_bfloat16*>(x), b.order, b.offsets,
                          b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden, b.inter, b.top_k,
                          gu_cols, 1, 0LL, static_cast<void*>(act));
   if (err != cudaSuccess) return err;
-  return launch_dependent(down, dim3(down_items < sms ? down_items : sms), dim3(kThreads), C::kSmem,
+  return launch_dependent(down, dim3(down_items < sms ? down_items : sms), dim3(C::kThreads), C::kSmem,
                           stream, down_map, static_cast<const __nv_bfloat16*>(act), b.order, b.offsets,
                           b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden, b.inter, b.top_k,
                           down_cols, splits, split_stride, b.part);
