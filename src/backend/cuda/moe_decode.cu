@@ -134,7 +134,6 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
     int* __restrict__ order, int* __restrict__ active, int* __restrict__ num_active,
     int* __restrict__ tile_expert, int* __restrict__ tile_row, int* __restrict__ num_tiles) {
   __shared__ int counts[kMaxExperts];
-  __shared__ int starts[kMaxExperts];
   __shared__ int cursor[kMaxExperts];
   __shared__ int tile_start[kMaxExperts + 1];
   __shared__ int total_tiles;
@@ -150,15 +149,13 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
   if (threadIdx.x < 32)
     plan_scan(counts, experts, tile_m, cursor, tile_start, &total_tiles, offsets, active, num_active,
               num_tiles);
-  __syncthreads();
-  for (int e = threadIdx.x; e < experts; e += blockDim.x) starts[e] = cursor[e];
-  __syncthreads();  // cursor is advanced below; starts took the first positions
+  __syncthreads();  // offsets keep the first positions; cursor is advanced below
   for_each_slot(ids, 0, slots, [&](int s, int e) {
     const bool valid = e >= 0;
     const int pos = warp_aggregated_add(&cursor[valid ? e : 0], e, valid);
     if (valid) order[pos] = s;
   });
-  if (tile_m > 0) plan_tiles(tile_start, starts, experts, total_tiles, tile_m, tile_expert, tile_row);
+  if (tile_m > 0) plan_tiles(tile_start, offsets, experts, total_tiles, tile_m, tile_expert, tile_row);
 }
 
 // Multi-block plan, step 1: block b counts the slots [b * chunk, (b + 1) * chunk) into
@@ -698,8 +695,6 @@ cudaError_t launch_grouped(const ExpertBuffers& b, const void* x, const float* w
 
 cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int tile_m,
                         cudaStream_t stream) {
-  // Threads to match the slots (at least 4 warps): a small layer's plan (128 slots in the seed
-  // workload) is latency, and a block of 32 warps costs more to start and to synchronise.
   const int slots = tokens * b.top_k;
   if (slots > kPlanOneBlockSlots && b.plan_counts != nullptr) {
     const int blocks = plan_blocks(slots);
@@ -717,6 +712,8 @@ cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int 
                              b.experts, chunk, static_cast<const int*>(b.plan_counts), b.offsets, b.order);
     return err;
   }
+  // One block, threads to match the slots (at least 4 warps): a small layer's plan (128 slots in
+  // the seed workload) is latency, and a block of 32 warps costs more to start and to synchronise.
   const int threads = slots >= kPlanThreads ? kPlanThreads : slots <= 128 ? 128 : (slots + 31) / 32 * 32;
   return launch_dependent(plan_kernel, dim3(1), dim3(threads), 0, stream, ids,
                           tokens * b.top_k, b.experts, tile_m, b.offsets, b.order, b.active,

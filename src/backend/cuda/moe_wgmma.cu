@@ -337,10 +337,10 @@ __global__ void __launch_bounds__(Cfg<BM, BN>::kThreads, 1) wgmma_gemm_kernel(
       const int e = tile_expert[f.tile];
       const int row0 = tile_row[f.tile];
       const int row_end = min(offsets[e + 1], row0 + BM);
-      // Each row's source: a pointer, or at BM = 256 (16 rows a thread) its start in 16-byte
-      // chunks (32 bits: at most 2^19 slots x 2^10 chunks), which keeps the producer within its
-      // registers. Rows past the expert's end keep an in-bounds address.
-      constexpr bool kChunks = kARows > 8 || C::kProducerWGs > 1;
+      // Each row's source: a pointer, or at BM = 256 (producers of 40 registers) its start in
+      // 16-byte chunks (32 bits: at most 2^19 slots x 2^10 chunks), which keeps the producer within
+      // its registers. Rows past the expert's end keep an in-bounds address.
+      constexpr bool kChunks = C::kProducerWGs > 1;
       const __nv_bfloat16* a_ptr[kChunks ? 1 : kARows];
       uint32_t a_chunk[kChunks ? kARows : 1];
       uint32_t a_ok = 0;
