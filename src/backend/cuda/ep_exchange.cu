@@ -278,8 +278,10 @@ __global__ void unpack_sum_kernel(EpParts parts, const int* __restrict__ pos, in
   store_row(s, out + (size_t)t * hidden + h);
 }
 
+// Launched with kRowThreads; the register cap keeps sum_slots' loads in flight together (see
+// combine_kernel in moe_decode.cu).
 template <typename Part, bool kSplit>
-__global__ void __launch_bounds__(kRowThreads) combine_p2p_kernel(EpRouting r, P2pCombine c,
+__global__ void __maxnreg__(128) combine_p2p_kernel(EpRouting r, P2pCombine c,
                                                                   int tokens, int hidden,
                                                                   uint16_t* __restrict__ out) {
   begin_dependent();  // launched as a programmatic dependent (pdl.h)

@@ -410,7 +410,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
       const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)s * inter);
       uint4 av[C];
 #pragma unroll
-      for (int c = 0; c < C; ++c) av[c] = __ldcg(ar + min(c * 32 + lane, chunks - 1));
+      for (int c = 0; c < C; ++c) av[c] = ar[min(c * 32 + lane, chunks - 1)];  // plain: slot_sums.cuh
       float mine = 0.f;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -426,11 +426,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
 }
 
 // y[t, h] = sum over the k slots of token t (sum_slots). Eight outputs per thread (hidden is a
-// multiple of 8), 16-byte stores.
+// multiple of 8), 16-byte stores. The register cap is what lets the loads of a batch be in flight
+// together: left to itself, ptxas fits the kernel in 32 registers by waiting for each load before
+// issuing the next.
 template <typename Part, bool kSplit>
-__global__ void combine_kernel(const Part* __restrict__ part, const int* __restrict__ ids, int tokens,
-                               int top_k, int hidden, int splits, long long split_stride,
-                               __nv_bfloat16* __restrict__ y) {
+__global__ void __maxnreg__(128) combine_kernel(const Part* __restrict__ part,
+                                                const int* __restrict__ ids, int tokens, int top_k,
+                                                int hidden, int splits, long long split_stride,
+                                                __nv_bfloat16* __restrict__ y) {
   wait_for_predecessor();
   const int groups = hidden / 8;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -740,11 +743,12 @@ cudaError_t combine(const ExpertBuffers& b, const int* ids, int tokens, PartialS
   }
   const int total = tokens * (b.hidden / 8);
   auto* yb = static_cast<__nv_bfloat16*>(y);
-  const int blocks = (total + 255) / 256;
+  constexpr int threads = 256;  // 64-thread blocks at M = 8 gained 0.2 µs of 3.4 (H100, ncu)
+  const int blocks = (total + threads - 1) / threads;
   if (bf16)
-    return launch(combine_kernel<__nv_bfloat16, false>, blocks, 256, chained, stream,
+    return launch(combine_kernel<__nv_bfloat16, false>, blocks, threads, chained, stream,
                   static_cast<const __nv_bfloat16*>(b.part), ids, tokens, b.top_k, b.hidden, 1, 0LL, yb);
-  return launch(split ? combine_kernel<float, true> : combine_kernel<float, false>, blocks, 256, chained,
+  return launch(split ? combine_kernel<float, true> : combine_kernel<float, false>, blocks, threads, chained,
                 stream, static_cast<const float*>(b.part), ids, tokens, b.top_k, b.hidden, sums.splits,
                 sums.split_stride, yb);
 }
