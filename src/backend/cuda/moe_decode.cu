@@ -10,7 +10,9 @@
 //    predecessor ends: the down GEMV issues its first weight loads while gate_up drains, the
 //    combine has no launch gap. act and the f32 partial sums are kept by slot.
 //  - grouped (v2, up to the switch to the GEMM path): the plan, then one short block per touched
-//    expert and 4 rows; act by position in the plan's order, partial sums by slot.
+//    expert and 4 rows; act by position in the plan's order, partial sums by slot. Chained by
+//    programmatic dependent launch too, every read after the wait (reading the plan before it,
+//    through L2, cost more than the launch gap it hid: lab/cuda/NOTES.md).
 // Nothing allocated, the counts only on the device, every output summed in a fixed order.
 // Only CUDA headers here: the host side (checks, errors, uploads) is in cuda_moe.cpp.
 #include <cuda_bf16.h>
@@ -589,6 +591,7 @@ __global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped
     const int* __restrict__ offsets, const int* __restrict__ order, const int* __restrict__ active,
     const int* __restrict__ num_active, int hidden, int inter, int top_k,
     __nv_bfloat16* __restrict__ act) {
+  begin_dependent();  // the plan's
   if (blockIdx.x >= *num_active) return;
   const int e = active[blockIdx.x];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -630,6 +633,7 @@ __global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped
     const int* __restrict__ offsets, const int* __restrict__ order, const int* __restrict__ active,
     const int* __restrict__ num_active, const float* __restrict__ weights, int hidden, int inter,
     float* __restrict__ part) {
+  begin_dependent();  // gate_up's act
   if (blockIdx.x >= *num_active) return;
   const int e = active[blockIdx.x];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -657,17 +661,17 @@ __global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped
 template <int C>
 void launch_grouped_gate_up(dim3 grid, cudaStream_t stream, const __nv_bfloat16* x, const ExpertBuffers& b,
                     __nv_bfloat16* act) {
-  grouped_gate_up_kernel<C><<<grid, kGroupedWarps * 32, 0, stream>>>(
-      x, static_cast<const __nv_bfloat16*>(b.gate_up), b.offsets, b.order, b.active, b.num_active,
-      b.hidden, b.inter, b.top_k, act);
+  launch_dependent(grouped_gate_up_kernel<C>, grid, dim3(kGroupedWarps * 32), 0, stream, x,
+                   static_cast<const __nv_bfloat16*>(b.gate_up), b.offsets, b.order, b.active,
+                   b.num_active, b.hidden, b.inter, b.top_k, act);
 }
 
 template <int C>
 void launch_grouped_down(dim3 grid, cudaStream_t stream, const __nv_bfloat16* act, const float* weights,
                  const ExpertBuffers& b) {
-  grouped_down_kernel<C><<<grid, kGroupedWarps * 32, 0, stream>>>(act, static_cast<const __nv_bfloat16*>(b.down),
-                                                   b.offsets, b.order, b.active, b.num_active,
-                                                   weights, b.hidden, b.inter, static_cast<float*>(b.part));
+  launch_dependent(grouped_down_kernel<C>, grid, dim3(kGroupedWarps * 32), 0, stream, act,
+                   static_cast<const __nv_bfloat16*>(b.down), b.offsets, b.order, b.active,
+                   b.num_active, weights, b.hidden, b.inter, static_cast<float*>(b.part));
 }
 
 
