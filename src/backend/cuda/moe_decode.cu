@@ -81,36 +81,68 @@ __device__ __forceinline__ void for_each_slot(const int* __restrict__ ids, int b
   }
 }
 
-// Warp 0 of the block: from counts[e] (shared), each expert's first position (cursor[e], shared,
-// and offsets), the touched experts, their number, and with tile_m > 0 each expert's first row
-// tile (tile_start, shared) and the tiles' count. The caller synchronises before and after.
+// The whole block (it synchronises inside): from counts[e] (shared), each expert's first
+// position (cursor[e], shared, and offsets), the touched experts, their number, and with
+// tile_m > 0 each expert's first row tile (tile_start, shared) and the tiles' count. Each warp
+// takes chunks of 32 experts: first their totals (into chunk_sums, shared), then, after the
+// barrier, the scan inside the chunk from the totals of the chunks before it. One warp walking
+// every chunk in turn made 128 experts four dependent rounds of shuffles. The caller
+// synchronises before and after.
+constexpr int kPlanChunks = kMaxExperts / 32;
 __device__ void plan_scan(const int* counts, int experts, int tile_m, int* cursor, int* tile_start,
-                          int* total_tiles, int* __restrict__ offsets, int* __restrict__ active,
-                          int* __restrict__ num_active, int* __restrict__ num_tiles) {
-  const int lane = threadIdx.x % 32;
-  int run = 0, n = 0, tiles = 0;
-  for (int base = 0; base < experts; base += 32) {
-    const int e = base + lane;
-    const int c = e < experts ? counts[e] : 0;
-    const int t = tile_m > 0 ? (c + tile_m - 1) / tile_m : 0;
-    int ic = c, it = t;
+                          int* total_tiles, int* chunk_sums, int* __restrict__ offsets,
+                          int* __restrict__ active, int* __restrict__ num_active,
+                          int* __restrict__ num_tiles) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int chunks = (experts + 31) / 32;
+  auto at = [&](int c, int& cnt, int& tiles) {
+    const int e = c * 32 + lane;
+    cnt = e < experts ? counts[e] : 0;
+    tiles = tile_m > 0 ? (cnt + tile_m - 1) / tile_m : 0;
+  };
+  for (int c = warp; c < chunks; c += warps) {
+    int cnt, tiles;
+    at(c, cnt, tiles);
+    const int sc = __reduce_add_sync(kAll, cnt), st = __reduce_add_sync(kAll, tiles);
+    const int sn = __popc(__ballot_sync(kAll, cnt > 0));
+    if (lane == 0) {
+      chunk_sums[c] = sc;
+      chunk_sums[kPlanChunks + c] = st;
+      chunk_sums[2 * kPlanChunks + c] = sn;
+    }
+  }
+  __syncthreads();
+  for (int c = warp; c < chunks; c += warps) {
+    // The chunks before c: one per lane (at most kPlanChunks <= 32).
+    const bool before = lane < c;
+    const int run = __reduce_add_sync(kAll, before ? chunk_sums[lane] : 0);
+    const int tiles0 = __reduce_add_sync(kAll, before ? chunk_sums[kPlanChunks + lane] : 0);
+    const int n = __reduce_add_sync(kAll, before ? chunk_sums[2 * kPlanChunks + lane] : 0);
+    int cnt, t;
+    at(c, cnt, t);
+    int ic = cnt, it = t;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      const int uc = __shfl_up_sync(0xffffffffu, ic, o), ut = __shfl_up_sync(0xffffffffu, it, o);
+      const int uc = __shfl_up_sync(kAll, ic, o), ut = __shfl_up_sync(kAll, it, o);
       if (lane >= o) ic += uc, it += ut;
     }
-    const unsigned touched = __ballot_sync(0xffffffffu, c > 0);
+    const unsigned touched = __ballot_sync(kAll, cnt > 0);
+    const int e = c * 32 + lane;
     if (e < experts) {
-      cursor[e] = run + ic - c;
-      offsets[e] = run + ic - c;
-      tile_start[e] = tiles + it - t;
-      if (c > 0) active[n + __popc(touched & ((1u << lane) - 1u))] = e;
+      cursor[e] = run + ic - cnt;
+      offsets[e] = run + ic - cnt;
+      tile_start[e] = tiles0 + it - t;
+      if (cnt > 0) active[n + __popc(touched & ((1u << lane) - 1u))] = e;
     }
-    run += __shfl_sync(0xffffffffu, ic, 31);
-    tiles += __shfl_sync(0xffffffffu, it, 31);
-    n += __popc(touched);
   }
-  if (lane == 0) {
+  if (threadIdx.x == 0) {
+    int run = 0, tiles = 0, n = 0;
+    for (int c = 0; c < chunks; ++c) {
+      run += chunk_sums[c];
+      tiles += chunk_sums[kPlanChunks + c];
+      n += chunk_sums[2 * kPlanChunks + c];
+    }
     tile_start[experts] = tiles;
     *total_tiles = tiles;
     offsets[experts] = run;
@@ -139,6 +171,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
   __shared__ int counts[kMaxExperts];
   __shared__ int cursor[kMaxExperts];
   __shared__ int tile_start[kMaxExperts + 1];
+  __shared__ int chunk_sums[3 * kPlanChunks];
   __shared__ int total_tiles;
   wait_for_predecessor();  // the router's ids
   allow_dependents();  // the GEMV's gate_up grid gets resident and waits for this one
@@ -154,9 +187,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
     if (one_round) mine = e, rank = r;
   });
   __syncthreads();
-  if (threadIdx.x < 32)
-    plan_scan(counts, experts, tile_m, cursor, tile_start, &total_tiles, offsets, active, num_active,
-              num_tiles);
+  plan_scan(counts, experts, tile_m, cursor, tile_start, &total_tiles, chunk_sums, offsets, active,
+            num_active, num_tiles);
   __syncthreads();  // offsets keep the first positions; cursor is advanced below
   if (one_round) {
     if (mine >= 0) order[cursor[mine] + rank] = threadIdx.x;
@@ -199,6 +231,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_scan_kernel(
   __shared__ int counts[kMaxExperts];
   __shared__ int cursor[kMaxExperts];
   __shared__ int tile_start[kMaxExperts + 1];
+  __shared__ int chunk_sums[3 * kPlanChunks];
   __shared__ int total_tiles;
   wait_for_predecessor();
   allow_dependents();
@@ -220,9 +253,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_scan_kernel(
     counts[e] = run;
   }
   __syncthreads();
-  if (threadIdx.x < 32)
-    plan_scan(counts, experts, tile_m, cursor, tile_start, &total_tiles, offsets, active, num_active,
-              num_tiles);
+  plan_scan(counts, experts, tile_m, cursor, tile_start, &total_tiles, chunk_sums, offsets, active,
+            num_active, num_tiles);
   __syncthreads();
   if (tile_m > 0) plan_tiles(tile_start, cursor, experts, total_tiles, tile_m, tile_expert, tile_row);
 }
