@@ -53,7 +53,7 @@ __device__ __forceinline__ int warp_aggregated_add(int* counter, int e, bool val
 // The plan: counts per expert, offsets, the touched experts (ascending), each expert's slots (in
 // no fixed order inside the expert) and, when tile_m > 0, the GEMM row tiles. Two passes over the
 // ids with shared atomics (count, then place; one when each thread holds a single slot, whose
-// count already gives its place); the scans run in one warp with shuffles.
+// count already gives its place); the scan runs over the block's warps with shuffles.
 //  - Up to kPlanOneBlockSlots slots: one block does it all (plan_kernel).
 //  - Past that, three grids chained as programmatic dependents: each of up to kMaxPlanBlocks
 //    blocks counts its own range of slots (plan_count_kernel), one block turns the per-block
