@@ -8,7 +8,9 @@
 //    per lane). Persistent grids (a warp loops over weight rows: no block churn, no tail of short
 //    blocks) chained by programmatic dependent launch, so each grid is resident before its
 //    predecessor ends: the down GEMV issues its first weight loads while gate_up drains, the
-//    combine has no launch gap. act and the f32 partial sums are kept by slot.
+//    combine has no launch gap. act and the f32 partial sums are kept by slot. One token with
+//    the plain combine (no folded norm, no partial sums left for an exchange) has no combine
+//    grid: down_combine_kernel sums each output row over the experts itself.
 //  - grouped (v2, up to the switch to the GEMM path): the plan, then one short block per touched
 //    expert and 4 rows; act by position in the plan's order, partial sums by slot. Chained by
 //    programmatic dependent launch too, every read after the wait (reading the plan before it,
@@ -32,6 +34,7 @@ namespace {
 constexpr int kPlanThreads = 1024;
 constexpr int kGemvWarps = 4;      // per block
 constexpr int kGemvMinBlocks = 3;  // per SM: caps registers at 168 (12 warps, ~8 KB in flight each)
+constexpr int kDownCombineMinBlocks = 4;  // 128 registers: combine_batch's 12 loads fit
 constexpr int kDirectMaxSlots = 32;  // one slot per lane
 static_assert(heuristics::kGemvDirectMaxSlots <= kDirectMaxSlots, "one routed slot per lane");
 constexpr int kGroupedWarps = 4;      // v2's sweep: 4 warps per block, 3 blocks per SM
@@ -354,9 +357,10 @@ struct OneTokenRouting {
   __device__ int expert(int a) const {
     return __shfl_sync(0xffffffffu, id, __shfl_sync(0xffffffffu, slot_of_rank, a));
   }
+  __device__ int slot(int a) const { return __shfl_sync(0xffffffffu, slot_of_rank, a); }
   template <typename F>
   __device__ void for_slots(int a, int /*e*/, F&& f) const {
-    f(__shfl_sync(0xffffffffu, slot_of_rank, a));
+    f(slot(a));
   }
 };
 
@@ -466,6 +470,74 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
       }
       if (lane < R && h0 + lane < hidden) part[(size_t)s * hidden + h0 + lane] = __ldg(weights + s) * mine;
     });
+  }
+}
+
+// Experts of one token whose down rows a lane holds at once in down_combine_kernel: about 12
+// loads of 16 bytes in flight (qwen3-30b-a3b's inter 768: 4 experts at 3 chunks), as in
+// down_kernel, which keeps the kernel within 128 registers and 4 blocks per SM. 8 experts at a
+// time (166 registers, 3 blocks per SM, half the warps) measured slower: qwen3-30b-a3b at M = 1,
+// the down projection alone (ncu) 15.6 against 14.3 µs, the layer 37.2 against 34.7.
+constexpr int combine_batch(int chunks) { return chunks >= 12 ? 1 : 12 / chunks < 8 ? 12 / chunks : 8; }
+
+// One token with the plain combine: down and the combine in one grid. Item = one row h of down,
+// taken from every active expert (combine_batch(C) experts' rows in flight at a time); the lane's
+// dot products are weighted and added in slot order, then summed across the warp once, and y[h]
+// is stored. No partial sums leave the warp and no combine grid runs after it. Measured against
+// down_kernel + combine_kernel (moe-bench layer --device cuda --tokens 1, H100, 2026-11-23), µs:
+// qwen3-30b-a3b 35.6 -> 34.7, deepseek-v2-lite 46.0 -> 45.1. The first row's weights are loaded
+// before the wait, like down_kernel's. Rows with no active expert come out 0.
+template <int C>  // ceil(inter / 256)
+__global__ void __launch_bounds__(kGemvWarps * 32, kDownCombineMinBlocks) down_combine_kernel(
+    const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ w_down,
+    const int* __restrict__ ids, int slots, const float* __restrict__ weights, int hidden,
+    int inter, __nv_bfloat16* __restrict__ y) {
+  constexpr int B = combine_batch(C);
+  allow_dependents();
+  const OneTokenRouting route(ids, slots);
+  const int n = route.num_active();
+  const int lane = threadIdx.x % 32;
+  const int chunks = inter / 8;
+  const int first = blockIdx.x * kGemvWarps + threadIdx.x / 32;
+  uint4 wr[B][C];
+  // Rows h of the active experts a0 .. a0 + B - 1 (past n: the last one again, not used).
+  auto load = [&](int h, int a0) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const int e = route.expert(min(a0 + b, n - 1));
+      const uint4* w = reinterpret_cast<const uint4*>(w_down + ((size_t)e * hidden + h) * inter);
+#pragma unroll
+      for (int c = 0; c < C; ++c) wr[b][c] = load_stream(w + min(c * 32 + lane, chunks - 1));
+    }
+  };
+  if (first < hidden && n > 0) load(first, 0);
+  wait_for_predecessor();  // act
+  for (int h = first; h < hidden; h += gridDim.x * kGemvWarps) {
+    float mine = 0.f;
+    for (int a0 = 0; a0 < n; a0 += B) {
+      if (h != first || a0 > 0) load(h, a0);
+#pragma unroll
+      for (int b = 0; b < B; ++b)
+#pragma unroll
+        for (int c = 0; c < C; ++c)
+          if (c * 32 + lane >= chunks) wr[b][c] = make_uint4(0, 0, 0, 0);
+      // Every expert of the batch is used unconditionally (past n: the last one again, weighted
+      // 0): behind a branch per expert, the compiler sinks that expert's loads to their use, and
+      // the row's loads go one expert after another (measured with 8 experts a batch, ncu: 23.3
+      // µs against 15.6 for the down projection at M = 1).
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const int slot = route.slot(min(a0 + b, n - 1));
+        const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)slot * inter);
+        float v = 0.f;
+#pragma unroll
+        for (int c = 0; c < C; ++c)
+          v += dot8(wr[b][c], ar[min(c * 32 + lane, chunks - 1)]);  // plain load: slot_sums.cuh
+        mine += (a0 + b < n ? __ldg(weights + slot) : 0.f) * v;
+      }
+    }
+    mine = warp_sum(mine);
+    if (lane == 0) y[h] = __float2bfloat16(mine);
   }
 }
 
@@ -595,9 +667,10 @@ cudaError_t launch(void (*kernel)(Params...), int blocks, int threads, bool chai
   return launch_kernel(kernel, dim3(blocks), dim3(threads), 0, stream, chained, args...);
 }
 
+// `y` set (one token, the plain combine): down_combine_kernel writes y and no combine follows.
 template <typename Route>
 cudaError_t launch_direct_with(const ExpertBuffers& b, const void* x, const int* ids,
-                               const float* weights, int tokens, cudaStream_t stream) {
+                               const float* weights, int tokens, void* y, cudaStream_t stream) {
   const int slots = tokens * b.top_k;
   const long long max_active = b.experts < slots ? b.experts : slots;
   const auto* xb = static_cast<const __nv_bfloat16*>(x);
@@ -609,20 +682,35 @@ cudaError_t launch_direct_with(const ExpertBuffers& b, const void* x, const int*
                   b.inter, b.top_k, act);
   });
   if (err != cudaSuccess) return err;
+  const auto* down = static_cast<const __nv_bfloat16*>(b.down);
+  if (y != nullptr) {
+    return with_chunks(b.inter, [&](auto c) {
+      constexpr auto k = down_combine_kernel<decltype(c)::value>;
+      // As many warps as make whole rounds of rows: 2048 rows on 1584 resident warps would leave
+      // a second round of 464.
+      const int cap = persistent_blocks<k>(b.hidden) * kGemvWarps;
+      const int rounds = (b.hidden + cap - 1) / cap;
+      const int warps = (b.hidden + rounds - 1) / rounds;
+      return launch(k, (warps + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32, true, stream,
+                    static_cast<const __nv_bfloat16*>(act), down, ids, slots, weights, b.hidden,
+                    b.inter, static_cast<__nv_bfloat16*>(y));
+    });
+  }
   return with_chunks(b.inter, [&](auto c) {
     constexpr int C = decltype(c)::value;
     constexpr auto k = down_kernel<C, Route>;
     const long long groups = (b.hidden + down_rows(C) - 1) / down_rows(C);
     return launch(k, persistent_blocks<k>(max_active * groups), kGemvWarps * 32, true, stream,
-                  static_cast<const __nv_bfloat16*>(act), static_cast<const __nv_bfloat16*>(b.down),
-                  ids, slots, weights, b.hidden, b.inter, static_cast<float*>(b.part));
+                  static_cast<const __nv_bfloat16*>(act), down, ids, slots, weights, b.hidden,
+                  b.inter, static_cast<float*>(b.part));
   });
 }
 
+// `y`: see launch_direct_with; only taken for one token (OneTokenRouting).
 cudaError_t launch_direct(const ExpertBuffers& b, const void* x, const int* ids,
-                          const float* weights, int tokens, cudaStream_t stream) {
-  return tokens == 1 ? launch_direct_with<OneTokenRouting>(b, x, ids, weights, tokens, stream)
-                     : launch_direct_with<Routing>(b, x, ids, weights, tokens, stream);
+                          const float* weights, int tokens, void* y, cudaStream_t stream) {
+  return tokens == 1 ? launch_direct_with<OneTokenRouting>(b, x, ids, weights, tokens, y, stream)
+                     : launch_direct_with<Routing>(b, x, ids, weights, tokens, nullptr, stream);
 }
 
 // blockIdx.x: index into the touched experts (blocks past their count exit); blockIdx.y: a tile
@@ -812,7 +900,10 @@ cudaError_t launch_decode(const ExpertBuffers& b, const void* x, const int* ids,
                           const float* weights, int tokens, void* y, cudaStream_t stream) {
   cudaError_t err;
   if (tokens * b.top_k <= heuristics::kGemvDirectMaxSlots) {
-    err = launch_direct(b, x, ids, weights, tokens, stream);
+    // One token with the plain combine: down and the combine are one grid (down_combine_kernel).
+    const bool fused = tokens == 1 && b.leave_partials == nullptr && b.norm.x == nullptr;
+    err = launch_direct(b, x, ids, weights, tokens, fused ? y : nullptr, stream);
+    if (err != cudaSuccess || fused) return err;
   } else {
     err = launch_plan(b, ids, tokens, 0, stream);
     if (err == cudaSuccess) err = launch_grouped(b, x, weights, tokens, stream);
