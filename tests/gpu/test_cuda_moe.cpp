@@ -464,7 +464,8 @@ TEST(CudaMoe, GemvDirectRoutingSharedExpertsAndNarrowWidths) {
 
 // The GEMV launches are chained (programmatic dependent launch) and, up to 24 slots, run without
 // the plan: a captured graph must still replay bit-identical to a direct call for new routings,
-// on both sides of the switch (M = 2: 16 slots; M = 8: 64 slots).
+// on both sides of the switch (M = 2: 16 slots; M = 8: 64 slots), and for one token, whose down
+// projection and combine are one grid (M = 1).
 TEST(CudaMoe, GemvGraphReplayWithNewRoutingIsExact) {
   REQUIRE_GPU();
   std::mt19937 rng(23);
@@ -473,7 +474,7 @@ TEST(CudaMoe, GemvGraphReplayWithNewRoutingIsExact) {
   cuda::DecodeExperts layer(l.w, 8, k);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-  for (int64_t t : {2, 8}) {
+  for (int64_t t : {1, 2, 8}) {
     const auto x = gputest::random_bf16_exact(static_cast<size_t>(t * h), rng, 1.0f);
     std::vector<float> w(static_cast<size_t>(t * k), 0.25f);
     DeviceBuffer<uint16_t> dx(gputest::to_bf16(x)), dy(static_cast<size_t>(t * h));
