@@ -200,6 +200,10 @@ int run_layer_bench(const LayerBenchArgs& args) {
   const bool gpu = a.device == "cuda";
   if (a.ep == 0) a.ep = gpu && a.preset != "seed" ? 1 : 2;
   if (a.dtype.empty()) a.dtype = gpu ? "bf16" : "f32";
+  MOE_CHECK(a.routing_skew >= 0 && a.routing_skew <= 10, kInvalidArgument,
+            "--routing-skew must be in [0, 10], got {}", a.routing_skew);
+  MOE_CHECK(a.routing_skew == 0 || (gpu && a.ep == 1), kInvalidArgument,
+            "--routing-skew is for the single-GPU CUDA layer bench (--device cuda --ep 1)");
   Shape shape = find_shape(a.preset);
   MOE_CHECK(a.ep >= 1 && a.ep <= shape.experts, kInvalidArgument,
             "--ep {} must be in [1, {}] (the number of experts)", a.ep, shape.experts);

@@ -16,6 +16,9 @@ struct LayerBenchArgs {
   int warmup = 3;
   int threads = 0;
   std::string modes;  // empty: all
+  // CUDA, one GPU: S * sin(12.9898 * e) added to expert e's random router logits, so that some
+  // experts draw more tokens than others (0: uniform; 1.5: a few experts take most slots).
+  double routing_skew = 0;
 };
 
 int run_layer_bench(const LayerBenchArgs& args);

@@ -12,6 +12,7 @@
 #include <random>
 #include <string>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "backend/cuda/cuda_check.h"
@@ -20,6 +21,7 @@
 #include "bench_common.h"
 #include "bench_layer.h"
 #include "core/arena.h"
+#include "moe/errors.h"
 #include "moe/router.h"
 
 namespace moe::bench {
@@ -63,6 +65,12 @@ const char* path_name(cuda::ExpertPath p) {
 
 int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidden, int64_t inter,
                          int64_t top_k, const RouterConfig& router, const char* name) {
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) {
+    cudaGetLastError();
+    gpus = 0;
+  }
+  MOE_CHECK(gpus >= 1, kUnsupported, "--device cuda needs a CUDA GPU; this machine has none");
   cudaStream_t stream;
   MOE_CUDA_CHECK(cudaStreamCreate(&stream));
   cudaDeviceProp prop;
@@ -103,22 +111,33 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
 
   nlohmann::json doc;
   doc["preset"] = name;
+  doc["routing_skew"] = a.routing_skew;
   doc["device"] = prop.name;
   doc["copy_GBps"] = copy_bw / 1e9;
   doc["shape"] = {{"experts", experts}, {"hidden", hidden}, {"intermediate", inter}, {"top_k", top_k}};
   doc["method"] = "CUDA graph of the routed-expert kernels (plan, gate_up, down, combine), L2 flushed "
                   "before each replay, events, median of 50 after 10; routing from random logits "
-                  "through the model's router on the host, not timed; floor = max(bytes / copy "
-                  "bandwidth measured here, FLOPs / 748 TFLOP/s); rel_err on up to 128 rows";
+                  "through the model's router on the host, not timed (routing_skew S > 0: "
+                  "S * sin(12.9898 * e) added to expert e's logits; no vLLM figure then, as "
+                  "those are for uniform routing); floor = max(bytes / copy bandwidth measured "
+                  "here, FLOPs / 748 TFLOP/s); rel_err on up to 128 rows";
   if (!a.json) {
     std::printf("moe-bench layer %s --device cuda: %s, copy %.0f GB/s measured; bf16, routed experts only\n",
                 name, prop.name, copy_bw / 1e9);
+    if (a.routing_skew > 0)
+      std::printf("routing skew %g: expert loads uneven; no vLLM figures (theirs are for uniform routing)\n",
+                  a.routing_skew);
     std::printf("%6s %6s %8s %10s %10s %8s %8s %8s %9s %9s %10s\n", "M", "path", "touched",
                 "median_us", "floor_us", "GB/s", "TFLOP/s", "floor/t", "vllm_us", "vllm/t", "rel_err");
   }
   for (int64_t m : sweep) {
     std::vector<float> logits(static_cast<size_t>(m * experts));
     for (auto& v : logits) v = nd(rng);
+    if (a.routing_skew > 0)
+      for (int64_t t = 0; t < m; ++t)
+        for (int64_t e = 0; e < experts; ++e)
+          logits[static_cast<size_t>(t * experts + e)] +=
+              static_cast<float>(a.routing_skew * std::sin(12.9898 * static_cast<double>(e)));
     std::vector<int32_t> ids(static_cast<size_t>(m * top_k));
     std::vector<float> weights(ids.size());
     route(router, logits.data(), nullptr, m, ids.data(), weights.data());
@@ -146,13 +165,14 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
     ws.reset();
     run_experts(ExecMode::kGrouped, pool, ws, w, all, xs, sids.data(), sw.data(), top_k, ref, plan);
 
-    std::vector<bool> hit(static_cast<size_t>(experts));
-    for (int32_t id : ids) hit[static_cast<size_t>(id)] = true;
-    const int64_t touched = std::count(hit.begin(), hit.end(), true);
+    std::vector<int64_t> load(static_cast<size_t>(experts));
+    for (int32_t id : ids) ++load[static_cast<size_t>(id)];
+    const int64_t touched = std::count_if(load.begin(), load.end(), [](int64_t n) { return n > 0; });
+    const int64_t max_load = *std::max_element(load.begin(), load.end());
     const double bytes = touched * 3.0 * hidden * inter * 2 + 2.0 * m * hidden * 2;
     const double flops = 2.0 * m * top_k * 3.0 * hidden * inter;
     const double floor_us = std::max(bytes / copy_bw, flops / kMatmulFlops) * 1e6;
-    const double vllm = vllm_us(name, m, std::string(prop.name).find("H200") != std::string::npos);
+    const double vllm = a.routing_skew > 0 ? 0.0 : vllm_us(name, m, std::string(prop.name).find("H200") != std::string::npos);
 
     // The heuristics' path first, then the others where they can run this M (to place the switches).
     const cuda::ExpertPath chosen = layer.core().path_for(m);
@@ -204,18 +224,22 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
       cudaGraphDestroy(graph);
       const Summary s = summarize(us);
       nlohmann::json j{{"M", m}, {"path", path_name(path)}, {"chosen", path == chosen},
-                       {"touched", touched}, {"median_us", s.median}, {"min_us", s.min},
+                       {"touched", touched}, {"max_rows_per_expert", max_load},
+                       {"median_us", s.median}, {"min_us", s.min},
                        {"max_us", s.max}, {"floor_us", floor_us},
                        {"GBps", bytes / (s.median * 1e-6) / 1e9},
                        {"TFLOPs", flops / (s.median * 1e-6) / 1e12}, {"rel_err", rel}};
       if (vllm > 0) j["vllm_us"] = vllm;
       doc["points"].push_back(j);
-      if (!a.json)
-        std::printf("%6lld %5s%s %8lld %10.2f %10.2f %8.0f %8.2f %8.2f %9.1f %9.2f %10.2e\n",
+      if (!a.json) {
+        // No vLLM figure for this shape or routing: dashes, not zeros.
+        const std::string peer = vllm > 0 ? fmt::format("{:9.1f} {:9.2f}", vllm, vllm / s.median)
+                                          : fmt::format("{:>9} {:>9}", "-", "-");
+        std::printf("%6lld %5s%s %8lld %10.2f %10.2f %8.0f %8.2f %8.2f %s %10.2e\n",
                     (long long)m, path_name(path), path == chosen ? "*" : " ", (long long)touched,
                     s.median, floor_us, bytes / (s.median * 1e-6) / 1e9,
-                    flops / (s.median * 1e-6) / 1e12, floor_us / s.median, vllm,
-                    vllm > 0 ? vllm / s.median : 0.0, rel);
+                    flops / (s.median * 1e-6) / 1e12, floor_us / s.median, peer.c_str(), rel);
+      }
     }
   }
   if (a.json) std::printf("%s\n", doc.dump(2).c_str());

@@ -21,6 +21,8 @@ int main(int argc, char** argv) {
   layer->add_option("--warmup", la.warmup, "untimed runs first")->capture_default_str();
   layer->add_option("--threads", la.threads, "CPU threads in all (0: all)");
   layer->add_option("--modes", la.modes, "comma-separated subset of the modes");
+  layer->add_option("--routing-skew", la.routing_skew,
+                    "cuda, one GPU: bias expert e's router logits by S*sin(12.9898*e), 0 to 10 (0: uniform)");
   layer->add_flag("--json", la.json, "print one JSON document");
 
   moe::bench::ModelBenchArgs ma;

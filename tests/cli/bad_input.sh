@@ -91,9 +91,13 @@ expect bench_ep_too_large "must be in \\[1, 8\\]" -- "$bench" layer --ep 9
 expect bench_bad_device "valid devices are auto, cpu and cuda" -- "$bench" layer --device tpu
 expect bench_cuda_needs_bf16 "bf16|no CUDA backend" -- "$bench" layer --device cuda --dtype f32
 expect bench_cuda_bad_ep "must be in \\[1, 8\\]" -- "$bench" layer --device cuda --ep -1
+expect bench_skew_range "--routing-skew must be in \\[0, 10\\], got -1" -- "$bench" layer --device cuda --routing-skew -1
+expect bench_skew_on_cpu "--routing-skew is for the single-GPU CUDA layer bench" -- "$bench" layer --device cpu --routing-skew 1.5
+expect bench_skew_with_ep "--routing-skew is for the single-GPU CUDA layer bench" -- "$bench" layer --device cuda --ep 2 --routing-skew 1.5
 expect bench_cuda_ep_warmup "must be >= 1 here|no CUDA backend" -- "$bench" layer --device cuda --ep 2 --warmup 0
 if ! nvidia-smi -L >/dev/null 2>&1; then  # the GPU count is checked where there are too few
   expect bench_cuda_ep_needs_gpus "needs 2 GPUs; this machine has 0|no CUDA backend" -- "$bench" layer --device cuda --ep 2
+  expect bench_cuda_needs_a_gpu "needs a CUDA GPU; this machine has none|no CUDA backend" -- "$bench" layer --device cuda --preset qwen3-30b-a3b --tokens 8
 fi
 expect bench_model_preset_without_weights "add --random-weights" -- "$bench" model --preset qwen3-moe-mid
 expect bench_model_too_big "this machine has" -- "$bench" model --preset deepseek-v3 --random-weights
