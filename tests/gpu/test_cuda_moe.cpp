@@ -405,6 +405,34 @@ TEST(CudaMoe, WgmmaTallRowTiles) {
   }
 }
 
+// Where the heuristics offer the plan a second row tile (128 beside 256 here), both choices give
+// the CPU's result: even loads of 160 rows keep the 256-row tiles; two experts of 600 rows beside
+// fourteen of ~100 take 128 (CudaPlan.PicksTheRowTileFromTheCounts checks the choice itself).
+TEST(CudaMoe, WgmmaRowTileChosenPerForward) {
+  REQUIRE_GPU();
+  if (!device_is_sm90()) GTEST_SKIP() << "the wgmma path needs compute capability 9.0";
+  std::mt19937 rng(16);
+  const int64_t experts = 16, hidden = 1024, inter = 512, k = 2, tokens = 1280;
+  ASSERT_EQ(cuda::heuristics::wgmma_tile_m(tokens, k, experts), 256);
+  ASSERT_EQ(cuda::heuristics::wgmma_alt_tile(tokens, k, experts), 128);
+  const Layer l = make_layer(experts, hidden, inter, rng);
+  const std::vector<std::vector<int>> loads = {
+      std::vector<int>(16, 160),                                                  // 256-row tiles
+      {600, 600, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 92, 92}};  // 128-row tiles
+  for (const auto& load : loads) {
+    std::vector<int32_t> sorted;
+    for (int e = 0; e < static_cast<int>(load.size()); ++e) sorted.insert(sorted.end(), load[e], e);
+    ASSERT_EQ(static_cast<int64_t>(sorted.size()), tokens * k);
+    std::vector<int32_t> ids;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int32_t a = sorted[t], b = sorted[t + tokens];
+      ASSERT_NE(a, b);
+      ids.insert(ids.end(), {std::min(a, b), std::max(a, b)});
+    }
+    EXPECT_LE(run(l, tokens, k, ids, ExpertPath::kWgmma, rng).rel, kBound) << "largest load " << load[0];
+  }
+}
+
 // Both paths on the same inputs: two roundings of bf16 intermediates apart, not identical.
 TEST(CudaMoe, PathsAgree) {
   REQUIRE_GPU();

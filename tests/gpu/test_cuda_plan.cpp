@@ -43,18 +43,49 @@ HostPlan host_plan(const std::vector<int32_t>& ids, int experts, int tile_m) {
   return p;
 }
 
+// The row tile a plan offered tile_m or tile_alt should build, from the rule as the launch header
+// states it: per 256 output columns an expert of c rows brings 256 * ceil(c / t) + c rows into
+// the SMs with a 64- or 128-row tile and 256 * ceil(c / 256) + 2c with the 256-row one (two
+// items of 128 weight columns); the smaller tile is kept unless the larger brings more than 5%
+// fewer.
+int host_tile_choice(const std::vector<int32_t>& ids, int experts, int tile_m, int tile_alt) {
+  if (tile_alt == 0) return tile_m;
+  std::vector<long long> rows(static_cast<size_t>(experts));
+  for (int32_t id : ids)
+    if (id >= 0) ++rows[static_cast<size_t>(id)];
+  auto cost = [&](int t) {
+    long long sum = 0;
+    for (long long c : rows) {
+      if (c == 0) continue;
+      const long long n = (c + t - 1) / t;
+      sum += t == 256 ? 256 * n + 2 * c : 256 * n + c;
+    }
+    return sum;
+  };
+  const int small = std::min(tile_m, tile_alt), large = std::max(tile_m, tile_alt);
+  return cost(large) * 20 < cost(small) * 19 ? large : small;
+}
+
 // Runs the device plan on `ids` (tokens * top_k slots) and compares every output with the host's.
-void check_plan(const std::vector<int32_t>& ids, int experts, int top_k, int tile_m, const char* what) {
+// tile_alt > 0: the plan picks between tile_m and tile_alt; the tiles and the two counts must be
+// those of host_tile_choice's tile.
+void check_plan(const std::vector<int32_t>& ids, int experts, int top_k, int tile_m, const char* what,
+                int tile_alt = 0, int expect_tile = 0) {
   SCOPED_TRACE(what);
   const int slots = static_cast<int>(ids.size());
   const int tokens = slots / top_k;
   ASSERT_EQ(tokens * top_k, slots);
-  const HostPlan want = host_plan(ids, experts, tile_m);
-  const size_t max_tiles = static_cast<size_t>((tile_m > 0 ? slots / tile_m : 0) + experts + 1);
+  const int tile = host_tile_choice(ids, experts, tile_m, tile_alt);
+  if (expect_tile > 0) {
+    ASSERT_EQ(tile, expect_tile) << "the case does not test what it says";
+  }
+  const HostPlan want = host_plan(ids, experts, tile);
+  const int smallest = tile_alt > 0 ? std::min(tile_m, tile_alt) : tile_m;
+  const size_t max_tiles = static_cast<size_t>((smallest > 0 ? slots / smallest : 0) + experts + 1);
   DeviceBuffer<int32_t> d_ids(ids);
   DeviceBuffer<int> offsets(static_cast<size_t>(experts + 1)), order(static_cast<size_t>(slots)),
       active(static_cast<size_t>(experts)), num_active(1), tile_expert(max_tiles), tile_row(max_tiles),
-      num_tiles(1), plan_counts(static_cast<size_t>(cuda::kernels::kMaxPlanBlocks) * experts);
+      num_tiles(2), plan_counts(static_cast<size_t>(cuda::kernels::kMaxPlanBlocks) * experts);
   for (auto* b : {&offsets, &order, &active, &num_active, &tile_expert, &tile_row, &num_tiles, &plan_counts})
     b->poison();
   cuda::kernels::ExpertBuffers b{};
@@ -68,7 +99,7 @@ void check_plan(const std::vector<int32_t>& ids, int experts, int top_k, int til
   b.plan_counts = plan_counts.get();
   b.experts = experts;
   b.top_k = top_k;
-  ASSERT_EQ(cuda::kernels::launch_plan(b, d_ids.get(), tokens, tile_m, nullptr), cudaSuccess);
+  ASSERT_EQ(cuda::kernels::launch_plan(b, d_ids.get(), tokens, tile_m, nullptr, tile_alt), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   EXPECT_EQ(offsets.download(), want.offsets);
@@ -83,8 +114,12 @@ void check_plan(const std::vector<int32_t>& ids, int experts, int top_k, int til
     std::sort(mine.begin(), mine.end());
     ASSERT_EQ(mine, want.slots[static_cast<size_t>(e)]) << "the slots of expert " << e;
   }
-  const int n_tiles = num_tiles.download()[0];
+  const auto counts = num_tiles.download();
+  const int n_tiles = tile == tile_m ? counts[0] : counts[1];
   ASSERT_EQ(n_tiles, static_cast<int>(want.tile_expert.size()));
+  if (tile_alt > 0) {
+    EXPECT_EQ(tile == tile_m ? counts[1] : counts[0], 0) << "the tile not picked has tiles";
+  }
   const auto got_te = tile_expert.download(), got_tr = tile_row.download();
   EXPECT_TRUE(std::equal(want.tile_expert.begin(), want.tile_expert.end(), got_te.begin()));
   EXPECT_TRUE(std::equal(want.tile_row.begin(), want.tile_row.end(), got_tr.begin()));
@@ -118,6 +153,35 @@ TEST(CudaPlan, AgreesWithTheHostEitherSideOfTheBlockSwitch) {
   check_plan(random_ids(512, 1000, 10, 0.1, rng), 512, 10, 128, "512 experts");
   check_plan(std::vector<int32_t>(20000, 5), 8, 1, 128, "every slot on one expert");
   check_plan(std::vector<int32_t>(20000, -1), 8, 2, 128, "every slot skipped");
+}
+
+// Ids giving expert e rows[e] slots (top_k 1).
+std::vector<int32_t> ids_with_rows(const std::vector<int>& rows) {
+  std::vector<int32_t> ids;
+  for (size_t e = 0; e < rows.size(); ++e) ids.insert(ids.end(), static_cast<size_t>(rows[e]), static_cast<int32_t>(e));
+  return ids;
+}
+
+// The plan picks the row tile per forward when offered two (one block and, past 4096 slots, the
+// multi-block plan), and the counts of the tile not picked are zero.
+TEST(CudaPlan, PicksTheRowTileFromTheCounts) {
+  REQUIRE_GPU();
+  std::mt19937 rng(79);
+  // Uniform loads of ~32 rows: 64 and 128 tie, so the smaller stays, whichever is offered first.
+  const auto uniform = random_ids(128, 512, 8, 0.0, rng);
+  check_plan(uniform, 128, 8, 64, "uniform, 64 or 128", 128, 64);
+  check_plan(uniform, 128, 8, 128, "uniform, 128 or 64", 64, 64);
+  // 100 rows an expert: two 64-row tiles read the weights twice (612 against 356 rows).
+  check_plan(ids_with_rows(std::vector<int>(40, 100)), 40, 1, 64, "100 rows, 64 or 128", 128, 128);
+  // 192 rows: 704 rows with 128-row tiles against 640 with one 256-row tile (9% fewer).
+  check_plan(ids_with_rows(std::vector<int>(64, 192)), 64, 1, 128, "192 rows, multi-block plan", 256, 256);
+  // 240 rows: 752 against 736, 2% fewer: not enough to leave the smaller tile.
+  check_plan(ids_with_rows(std::vector<int>(20, 240)), 20, 1, 256, "240 rows, 256 or 128", 128, 128);
+  // Skewed: one expert of 1000 rows beside many small ones keeps 128 (2v rows cost the tall tile).
+  std::vector<int> skew(64, 20);
+  skew[3] = 1000;
+  check_plan(ids_with_rows(skew), 64, 1, 256, "one large expert, 256 or 128", 128, 128);
+  check_plan(std::vector<int32_t>(6000, -1), 8, 2, 128, "every slot skipped", 256, 128);
 }
 
 // tile_m 0 (the GEMV path's plan): no tiles, the rest as before.

@@ -60,7 +60,7 @@ Layout layout(const ExpertShape& s, int64_t max_tokens) {
   l.num_active = take(4);
   l.tile_expert = take(tiles * 4);
   l.tile_row = take(tiles * 4);
-  l.num_tiles = take(4);
+  l.num_tiles = take(8);  // the row tiles of tile_m and of the plan's alternative
   l.plan_counts = take(static_cast<size_t>(kernels::kMaxPlanBlocks) * s.experts * 4);
   l.act = take(slots * s.inter * 2);
   l.part = take(part);
@@ -225,7 +225,8 @@ void Experts::run(const uint16_t* x, const int32_t* ids, const float* weights, i
   } else {
     if (path == ExpertPath::kWgmma)
       MOE_CUDA_CHECK(kernels::launch_prefill_wgmma(
-          b, x, ids, weights, m, h::wgmma_tile_m(tokens, shape_.top_k, shape_.experts), y, st));
+          b, x, ids, weights, m, h::wgmma_tile_m(tokens, shape_.top_k, shape_.experts), y, st,
+          h::wgmma_alt_tile(tokens, shape_.top_k, shape_.experts)));
     else
       MOE_CUDA_CHECK(kernels::launch_prefill(
           b, x, ids, weights, m, h::gemm_tile_m(tokens, shape_.top_k, shape_.experts), y, st));

@@ -92,35 +92,76 @@ __device__ __forceinline__ void for_each_slot(const int* __restrict__ ids, int b
 // every chunk in turn made 128 experts four dependent rounds of shuffles. The caller
 // synchronises before and after.
 constexpr int kPlanChunks = kMaxExperts / 32;
-__device__ void plan_scan(const int* counts, int experts, int tile_m, int* cursor, int* tile_start,
-                          int* total_tiles, int* chunk_sums, int* __restrict__ offsets,
-                          int* __restrict__ active, int* __restrict__ num_active,
-                          int* __restrict__ num_tiles) {
+// Rows of 4 KB k-slices a row tile of `tile` rows brings into the SMs per 256 output columns,
+// for an expert of c rows (rows past its end are zero-filled, not read): a 64- or 128-row tile
+// takes 256 weight columns and so reads 256 weight rows; the 256-row tile takes 128 weight
+// columns, so two of its items cover 256 columns, each reading the expert's rows again.
+__device__ __forceinline__ int tile_ingress_rows(int c, int tile) {
+  if (c == 0) return 0;
+  const int n = (c + tile - 1) / tile;
+  return tile == 256 ? 256 * n + 2 * c : 256 * n + c;
+}
+
+// Returns the row tile the tiles are built for: tile_m, or with tile_alt > 0 whichever of the two
+// the counts favour: the smaller, unless the larger brings more than 5% fewer rows into the SMs
+// (tile_ingress_rows summed over the experts; with no rows at all, the smaller). num_tiles[0]
+// gets the tile count when tile_m is taken and 0 otherwise; with tile_alt, num_tiles[1] the same
+// for tile_alt. Each GEMM grid reads its own, so the grids of the tile not taken exit at once.
+// Checked offline against eight measured cases (lab/cuda/NOTES.md, "The row tile under uneven
+// routing"); it does not count the tensor work of zero-filled rows or the items' balance.
+__device__ int plan_scan(const int* counts, int experts, int tile_m, int tile_alt, int* cursor,
+                         int* tile_start, int* total_tiles, int* chunk_sums, int* __restrict__ offsets,
+                         int* __restrict__ active, int* __restrict__ num_active,
+                         int* __restrict__ num_tiles) {
   constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int chunks = (experts + 31) / 32;
-  auto at = [&](int c, int& cnt, int& tiles) {
+  auto count_at = [&](int c) {
     const int e = c * 32 + lane;
-    cnt = e < experts ? counts[e] : 0;
-    tiles = tile_m > 0 ? (cnt + tile_m - 1) / tile_m : 0;
+    return e < experts ? counts[e] : 0;
   };
+  auto tiles_of = [](int cnt, int tile) { return tile > 0 ? (cnt + tile - 1) / tile : 0; };
   for (int c = warp; c < chunks; c += warps) {
-    int cnt, tiles;
-    at(c, cnt, tiles);
-    const int sc = __reduce_add_sync(kAll, cnt), st = __reduce_add_sync(kAll, tiles);
+    const int cnt = count_at(c);
+    const int sc = __reduce_add_sync(kAll, cnt), st = __reduce_add_sync(kAll, tiles_of(cnt, tile_m));
     const int sn = __popc(__ballot_sync(kAll, cnt > 0));
     if (lane == 0) {
       chunk_sums[c] = sc;
       chunk_sums[kPlanChunks + c] = st;
       chunk_sums[2 * kPlanChunks + c] = sn;
     }
+    if (tile_alt > 0) {
+      const int sa = __reduce_add_sync(kAll, tiles_of(cnt, tile_alt));
+      const int cm = __reduce_add_sync(kAll, tile_ingress_rows(cnt, tile_m));
+      const int ca = __reduce_add_sync(kAll, tile_ingress_rows(cnt, tile_alt));
+      if (lane == 0) {
+        chunk_sums[3 * kPlanChunks + c] = sa;
+        chunk_sums[4 * kPlanChunks + c] = cm;
+        chunk_sums[5 * kPlanChunks + c] = ca;
+      }
+    }
   }
   __syncthreads();
+  bool alt = false;
+  if (tile_alt > 0) {
+    long long cm = 0, ca = 0;
+    for (int c = 0; c < chunks; ++c) {
+      cm += chunk_sums[4 * kPlanChunks + c];
+      ca += chunk_sums[5 * kPlanChunks + c];
+    }
+    alt = tile_alt > tile_m ? ca * 20 < cm * 19 : !(cm * 20 < ca * 19);
+  }
+  const int tile = alt ? tile_alt : tile_m;
+  const int* tile_sums = chunk_sums + (alt ? 3 : 1) * kPlanChunks;
+  auto at = [&](int c, int& cnt, int& tiles) {
+    cnt = count_at(c);
+    tiles = tiles_of(cnt, tile);
+  };
   for (int c = warp; c < chunks; c += warps) {
     // The chunks before c: one per lane (at most kPlanChunks <= 32).
     const bool before = lane < c;
     const int run = __reduce_add_sync(kAll, before ? chunk_sums[lane] : 0);
-    const int tiles0 = __reduce_add_sync(kAll, before ? chunk_sums[kPlanChunks + lane] : 0);
+    const int tiles0 = __reduce_add_sync(kAll, before ? tile_sums[lane] : 0);
     const int n = __reduce_add_sync(kAll, before ? chunk_sums[2 * kPlanChunks + lane] : 0);
     int cnt, t;
     at(c, cnt, t);
@@ -143,15 +184,17 @@ __device__ void plan_scan(const int* counts, int experts, int tile_m, int* curso
     int run = 0, tiles = 0, n = 0;
     for (int c = 0; c < chunks; ++c) {
       run += chunk_sums[c];
-      tiles += chunk_sums[kPlanChunks + c];
+      tiles += tile_sums[c];
       n += chunk_sums[2 * kPlanChunks + c];
     }
     tile_start[experts] = tiles;
     *total_tiles = tiles;
     offsets[experts] = run;
     *num_active = n;
-    *num_tiles = tiles;
+    num_tiles[0] = alt ? 0 : tiles;
+    if (tile_alt > 0) num_tiles[1] = alt ? tiles : 0;
   }
+  return tile;
 }
 
 // Row tile j belongs to the expert whose [tile_start[e], tile_start[e + 1]) holds j. All threads.
@@ -168,13 +211,14 @@ __device__ void plan_tiles(const int* tile_start, const int* starts, int experts
   }
 }
 __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
-    const int* __restrict__ ids, int slots, int experts, int tile_m, int* __restrict__ offsets,
-    int* __restrict__ order, int* __restrict__ active, int* __restrict__ num_active,
-    int* __restrict__ tile_expert, int* __restrict__ tile_row, int* __restrict__ num_tiles) {
+    const int* __restrict__ ids, int slots, int experts, int tile_m, int tile_alt,
+    int* __restrict__ offsets, int* __restrict__ order, int* __restrict__ active,
+    int* __restrict__ num_active, int* __restrict__ tile_expert, int* __restrict__ tile_row,
+    int* __restrict__ num_tiles) {
   __shared__ int counts[kMaxExperts];
   __shared__ int cursor[kMaxExperts];
   __shared__ int tile_start[kMaxExperts + 1];
-  __shared__ int chunk_sums[3 * kPlanChunks];
+  __shared__ int chunk_sums[6 * kPlanChunks];
   __shared__ int total_tiles;
   wait_for_predecessor();  // the router's ids
   allow_dependents();  // the GEMV's gate_up grid gets resident and waits for this one
@@ -190,8 +234,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
     if (one_round) mine = e, rank = r;
   });
   __syncthreads();
-  plan_scan(counts, experts, tile_m, cursor, tile_start, &total_tiles, chunk_sums, offsets, active,
-            num_active, num_tiles);
+  const int tile = plan_scan(counts, experts, tile_m, tile_alt, cursor, tile_start, &total_tiles,
+                             chunk_sums, offsets, active, num_active, num_tiles);
   __syncthreads();  // offsets keep the first positions; cursor is advanced below
   if (one_round) {
     if (mine >= 0) order[cursor[mine] + rank] = threadIdx.x;
@@ -202,7 +246,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
       if (valid) order[pos] = s;
     });
   }
-  if (tile_m > 0) plan_tiles(tile_start, offsets, experts, total_tiles, tile_m, tile_expert, tile_row);
+  if (tile > 0) plan_tiles(tile_start, offsets, experts, total_tiles, tile, tile_expert, tile_row);
 }
 
 // Multi-block plan, step 1: block b counts the slots [b * chunk, (b + 1) * chunk) into
@@ -228,13 +272,13 @@ __global__ void __launch_bounds__(kPlanBlockThreads) plan_count_kernel(const int
 // the position of its first slot inside the expert's list (the sum over the blocks before b);
 // then the offsets, touched experts and tiles of plan_scan / plan_tiles.
 __global__ void __launch_bounds__(kPlanThreads) plan_scan_kernel(
-    int* __restrict__ block_counts, int blocks, int experts, int tile_m, int* __restrict__ offsets,
-    int* __restrict__ active, int* __restrict__ num_active, int* __restrict__ tile_expert,
-    int* __restrict__ tile_row, int* __restrict__ num_tiles) {
+    int* __restrict__ block_counts, int blocks, int experts, int tile_m, int tile_alt,
+    int* __restrict__ offsets, int* __restrict__ active, int* __restrict__ num_active,
+    int* __restrict__ tile_expert, int* __restrict__ tile_row, int* __restrict__ num_tiles) {
   __shared__ int counts[kMaxExperts];
   __shared__ int cursor[kMaxExperts];
   __shared__ int tile_start[kMaxExperts + 1];
-  __shared__ int chunk_sums[3 * kPlanChunks];
+  __shared__ int chunk_sums[6 * kPlanChunks];
   __shared__ int total_tiles;
   wait_for_predecessor();
   allow_dependents();
@@ -256,10 +300,10 @@ __global__ void __launch_bounds__(kPlanThreads) plan_scan_kernel(
     counts[e] = run;
   }
   __syncthreads();
-  plan_scan(counts, experts, tile_m, cursor, tile_start, &total_tiles, chunk_sums, offsets, active,
-            num_active, num_tiles);
+  const int tile = plan_scan(counts, experts, tile_m, tile_alt, cursor, tile_start, &total_tiles,
+                             chunk_sums, offsets, active, num_active, num_tiles);
   __syncthreads();
-  if (tile_m > 0) plan_tiles(tile_start, cursor, experts, total_tiles, tile_m, tile_expert, tile_row);
+  if (tile > 0) plan_tiles(tile_start, cursor, experts, total_tiles, tile, tile_expert, tile_row);
 }
 
 // Step 3: block b places its range's slots from offsets[e] + its start inside the expert's list.
@@ -831,7 +875,8 @@ cudaError_t launch_grouped(const ExpertBuffers& b, const void* x, const float* w
 }  // namespace
 
 cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int tile_m,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, int tile_alt) {
+  if (tile_alt != 0 && (tile_m <= 0 || tile_alt == tile_m)) return cudaErrorInvalidValue;
   const int slots = tokens * b.top_k;
   if (slots > kPlanOneBlockSlots && b.plan_counts != nullptr) {
     const int blocks = plan_blocks(slots);
@@ -842,8 +887,8 @@ cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int 
                                        slots, b.experts, chunk, b.plan_counts);
     if (err == cudaSuccess)
       err = launch_dependent(plan_scan_kernel, dim3(1), dim3(kPlanThreads), 0, stream, b.plan_counts, blocks,
-                             b.experts, tile_m, b.offsets, b.active, b.num_active, b.tile_expert, b.tile_row,
-                             b.num_tiles);
+                             b.experts, tile_m, tile_alt, b.offsets, b.active, b.num_active, b.tile_expert,
+                             b.tile_row, b.num_tiles);
     if (err == cudaSuccess)
       err = launch_dependent(plan_scatter_kernel, dim3(blocks), dim3(kPlanBlockThreads), 0, stream, ids, slots,
                              b.experts, chunk, static_cast<const int*>(b.plan_counts), b.offsets, b.order);
@@ -853,7 +898,7 @@ cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int 
   // the seed workload) is latency, and a block of 32 warps costs more to start and to synchronise.
   const int threads = slots >= kPlanThreads ? kPlanThreads : slots <= 128 ? 128 : (slots + 31) / 32 * 32;
   return launch_dependent(plan_kernel, dim3(1), dim3(threads), 0, stream, ids,
-                          tokens * b.top_k, b.experts, tile_m, b.offsets, b.order, b.active,
+                          tokens * b.top_k, b.experts, tile_m, tile_alt, b.offsets, b.order, b.active,
                           b.num_active, b.tile_expert, b.tile_row, b.num_tiles);
 }
 

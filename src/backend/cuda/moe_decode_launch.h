@@ -44,7 +44,7 @@ struct ExpertBuffers {
   int* num_active;      // [1]
   int* tile_expert;     // [max row tiles] expert of each GEMM row tile
   int* tile_row;        // [max row tiles] first position in order of each GEMM row tile
-  int* num_tiles;       // [1]
+  int* num_tiles;       // [2]: the row tiles (see launch_plan's tile_alt)
   int* plan_counts = nullptr;  // [kMaxPlanBlocks * experts] the multi-block plan's per-block counts
   void* act;            // bf16 [max slots, inter]: SiLU(gate) * up, row p = position in order
   void* part;           // [max slots, hidden] by slot: f32 (GEMV path) or bf16 (GEMM path)
@@ -57,9 +57,11 @@ struct ExpertBuffers {
 
 // Counts, offsets, the per-expert slot lists and, when tile_m > 0, the GEMM row tiles. One block;
 // the order inside an expert's list is not fixed, which changes no result: every row is computed
-// on its own and the combine sums by slot.
+// on its own and the combine sums by slot. tile_alt > 0 (another row tile than tile_m): the plan
+// picks one of the two from the counts (moe_decode.cu, plan_scan), builds the tiles for it and
+// writes num_tiles[0] (tile_m's count, 0 when not picked) and num_tiles[1] (tile_alt's).
 cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int tile_m,
-                        cudaStream_t stream);
+                        cudaStream_t stream, int tile_alt = 0);
 
 // Plan, gate_up GEMV + SiLU, down GEMV, combine on `stream` (hidden, inter: multiples of 8, at
 // most 2048).

@@ -101,6 +101,18 @@ inline int wgmma_tile_m(int64_t tokens, int64_t top_k, int64_t experts) {
   return per_expert > kWgmmaTallTileFrom && fits ? 256 : gemm_tile_m(tokens, top_k, experts);
 }
 
+// The row tile the plan may pick per forward, from the expert counts, instead of wgmma_tile_m's
+// (0: none). wgmma_tile_m assumes every expert draws M * k / E rows; its 256-row tile is a bet on
+// that, and under uneven routing 128-row tiles are faster. Measured on an H100 (moe-bench layer,
+// same lease), deepseek-v2-lite M = 2048, µs, without -> with the choice: uniform routing 632.6 ->
+// 638.1 (the 128-row grids, launched and exiting at once), --routing-skew 1 774.5 -> 673.1.
+// Offered only there: from 64-row tiles (M = 512) the choice of 128 gained as much under skew
+// (qwen3-30b-a3b 464.5 -> 444.2, deepseek-v2-lite 485.6 -> 453.5) but cost 2.5 µs with uniform
+// routing, on layers of ~420-450 µs already near their 1.15x-of-floor line.
+inline int wgmma_alt_tile(int64_t tokens, int64_t top_k, int64_t experts) {
+  return wgmma_tile_m(tokens, top_k, experts) == 256 ? 128 : 0;
+}
+
 inline bool gemv_supports(int64_t hidden, int64_t inter) {
   return hidden % kGemvWidthMultiple == 0 && inter % kGemvWidthMultiple == 0 &&
          hidden <= kGemvMaxWidth && inter <= kGemvMaxWidth;

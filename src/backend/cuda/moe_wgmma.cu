@@ -593,6 +593,23 @@ cudaError_t launch_shape(const ExpertBuffers& b, int tokens, int tile_m, LaunchS
   return cudaSuccess;
 }
 
+// gate_up and down for one row tile, on the tile count at b.num_tiles.
+cudaError_t run_tile(const ExpertBuffers& b, const void* x, const float* weights, int tile_m,
+                     const LaunchShape& shape, cudaStream_t stream) {
+  const bool narrow = shape.narrow;
+  const int max_tiles = shape.max_tiles, sms = shape.sms, splits = shape.sums.splits;
+  const long long stride = shape.sums.split_stride;
+  if (tile_m == 64)
+    return narrow ? run_gemms<64, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
+                  : run_gemms<64, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
+  if (tile_m == 256)  // 128-row weight tiles whether narrow or not
+    return run_gemms<256, 128>(b, x, weights, max_tiles, splits, stride, sms, stream);
+  return narrow ? run_gemms<128, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
+                : run_gemms<128, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
+}
+
+bool valid_tile(int tile_m) { return tile_m == 64 || tile_m == 128 || tile_m == 256; }
+
 }  // namespace
 
 cudaError_t wgmma_partial_sums(const ExpertBuffers& b, int tokens, int tile_m, PartialSums* sums) {
@@ -604,26 +621,25 @@ cudaError_t wgmma_partial_sums(const ExpertBuffers& b, int tokens, int tile_m, P
 
 cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const int* ids,
                                  const float* weights, int tokens, int tile_m, void* y,
-                                 cudaStream_t stream) {
-  if (tile_m != 64 && tile_m != 128 && tile_m != 256) return cudaErrorInvalidValue;
+                                 cudaStream_t stream, int tile_alt) {
+  if (!valid_tile(tile_m) || (tile_alt != 0 && (!valid_tile(tile_alt) || tile_alt == tile_m)))
+    return cudaErrorInvalidValue;
   if (b.hidden % BK != 0 || b.inter % BK != 0) return cudaErrorInvalidValue;
-  LaunchShape shape;
+  LaunchShape shape, alt_shape;
   cudaError_t err = launch_shape(b, tokens, tile_m, &shape);
-  if (err == cudaSuccess) err = launch_plan(b, ids, tokens, tile_m, stream);
+  if (err == cudaSuccess && tile_alt != 0) err = launch_shape(b, tokens, tile_alt, &alt_shape);
   if (err != cudaSuccess) return err;
-  const bool narrow = shape.narrow;
-  const int max_tiles = shape.max_tiles, sms = shape.sms, splits = shape.sums.splits;
-  const long long stride = shape.sums.split_stride;
+  // Both tiles must leave the sums in one form for the combine: no split-K on either.
+  if (tile_alt != 0 && (shape.sums.splits != 1 || alt_shape.sums.splits != 1)) tile_alt = 0;
+  err = launch_plan(b, ids, tokens, tile_m, stream, tile_alt);
+  if (err == cudaSuccess) err = run_tile(b, x, weights, tile_m, shape, stream);
+  if (err == cudaSuccess && tile_alt != 0) {
+    ExpertBuffers alt = b;
+    alt.num_tiles = b.num_tiles + 1;
+    err = run_tile(alt, x, weights, tile_alt, alt_shape, stream);
+  }
+  if (err != cudaSuccess) return err;
   PartialSums sums = shape.sums;
-  if (tile_m == 64)
-    err = narrow ? run_gemms<64, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
-                 : run_gemms<64, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
-  else if (tile_m == 256)  // 128-row weight tiles whether narrow or not
-    err = run_gemms<256, 128>(b, x, weights, max_tiles, splits, stride, sms, stream);
-  else
-    err = narrow ? run_gemms<128, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
-                 : run_gemms<128, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
-  if (err != cudaSuccess) return err;
   if (b.leave_partials) {
     *b.leave_partials = sums;
     return cudaSuccess;

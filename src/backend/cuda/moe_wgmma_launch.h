@@ -13,10 +13,12 @@ namespace moe::cuda::kernels {
 // loaded by TMA. Needs a device of compute capability 9.0 (the code is sm_90a), hidden and inter
 // multiples of 64, at most 8192; tile_m 64, 128 or 256. The grids are sized for the worst case of
 // `tokens`, so the launch is graph-capturable. cudaErrorNotSupported when the driver offers no
-// cuTensorMapEncodeTiled.
+// cuTensorMapEncodeTiled. tile_alt (0: none): another row tile; the plan then picks one of the two
+// per forward from the expert counts (launch_plan), the GEMM grids of both are launched and those
+// of the tile not picked exit at once. Taken only where both leave their partial sums in one form.
 cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const int* ids,
                                  const float* weights, int tokens, int tile_m, void* y,
-                                 cudaStream_t stream);
+                                 cudaStream_t stream, int tile_alt = 0);
 
 // The form in which launch_prefill_wgmma leaves the partial sums for `tokens` (bf16, or f32
 // split-K pieces on small grids).
