@@ -364,6 +364,20 @@ TEST(CudaMoe, WgmmaAgreesWithGemm) {
   }
 }
 
+// Ids of `tokens` tokens of two slots each giving expert e load[e] rows: the i-th and
+// (i + tokens)-th of the expert-sorted slot list go to token i, distinct experts as long as no
+// expert has more than `tokens` rows.
+void two_slot_ids(const std::vector<int>& load, int64_t tokens, std::vector<int32_t>* ids) {
+  std::vector<int32_t> sorted;
+  for (int e = 0; e < static_cast<int>(load.size()); ++e) sorted.insert(sorted.end(), load[e], e);
+  ASSERT_EQ(static_cast<int64_t>(sorted.size()), tokens * 2);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int32_t a = sorted[t], b = sorted[t + tokens];
+    ASSERT_NE(a, b) << "token " << t;
+    ids->insert(ids->end(), {std::min(a, b), std::max(a, b)});
+  }
+}
+
 // 256-row tiles (taken where experts average a little more than one 128-row tile): each consumer
 // warpgroup takes 128 rows as two 64-row sub-tiles and skips those past the expert's end. Loads
 // chosen to hit every case: an expert of two and a half tiles, tiles that end inside the first
@@ -377,21 +391,13 @@ TEST(CudaMoe, WgmmaTallRowTiles) {
   const int64_t experts = 16, hidden = 1024, inter = 512, k = 2, tokens = 1280;
   ASSERT_EQ(cuda::heuristics::wgmma_tile_m(tokens, k, experts), 256);
   const Layer l = make_layer(experts, hidden, inter, rng);
-  // Rows per expert (2560 slots); the i-th and (i + tokens)-th of the expert-sorted slot list
-  // go to token i, distinct experts as long as no expert has more than `tokens` rows.
+  // Rows per expert (2560 slots, two_slot_ids).
   const std::vector<std::vector<int>> loads = {
       {520, 300, 257, 256, 193, 150, 129, 100, 65, 64, 13, 1, 0, 0, 512, 0},
       {0, 0, 0, 1280, 0, 0, 0, 0, 0, 0, 0, 1280, 0, 0, 0, 0}};
   for (const auto& load : loads) {
-    std::vector<int32_t> sorted;
-    for (int e = 0; e < static_cast<int>(load.size()); ++e) sorted.insert(sorted.end(), load[e], e);
-    ASSERT_EQ(static_cast<int64_t>(sorted.size()), tokens * k);
     std::vector<int32_t> ids;
-    for (int64_t t = 0; t < tokens; ++t) {
-      const int32_t a = sorted[t], b = sorted[t + tokens];
-      ASSERT_NE(a, b);
-      ids.insert(ids.end(), {std::min(a, b), std::max(a, b)});
-    }
+    ASSERT_NO_FATAL_FAILURE(two_slot_ids(load, tokens, &ids));
     std::mt19937 ra(7), rb(7);  // the same x and weights for both runs
     const GpuRun gemm = run(l, tokens, k, ids, ExpertPath::kGemm, ra);
     const GpuRun wgmma = run(l, tokens, k, ids, ExpertPath::kWgmma, rb);
@@ -420,15 +426,8 @@ TEST(CudaMoe, WgmmaRowTileChosenPerForward) {
       std::vector<int>(16, 160),                                                  // 256-row tiles
       {600, 600, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 92, 92}};  // 128-row tiles
   for (const auto& load : loads) {
-    std::vector<int32_t> sorted;
-    for (int e = 0; e < static_cast<int>(load.size()); ++e) sorted.insert(sorted.end(), load[e], e);
-    ASSERT_EQ(static_cast<int64_t>(sorted.size()), tokens * k);
     std::vector<int32_t> ids;
-    for (int64_t t = 0; t < tokens; ++t) {
-      const int32_t a = sorted[t], b = sorted[t + tokens];
-      ASSERT_NE(a, b);
-      ids.insert(ids.end(), {std::min(a, b), std::max(a, b)});
-    }
+    ASSERT_NO_FATAL_FAILURE(two_slot_ids(load, tokens, &ids));
     EXPECT_LE(run(l, tokens, k, ids, ExpertPath::kWgmma, rng).rel, kBound) << "largest load " << load[0];
   }
 }
