@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <string>
 
 #include "backend/cuda/moe_heuristics.h"
 #include "backend/cuda_moe.h"
@@ -309,7 +310,7 @@ TEST(CudaMoe, QwenShapeFromDecodeToPrefill) {
   REQUIRE_GPU();
   std::mt19937 rng(9);
   const Layer l = make_layer(128, 2048, 768, rng);
-  for (int64_t t : {1, 8, 33, 200, 1024})
+  for (int64_t t : {1, 8, 33, 200, 1024, 2048})  // 2048: mixed row tiles on the wgmma path
     check_all_paths(l, t, 8, route(128, t, 8, 1.0, rng), 5 + static_cast<uint32_t>(t));
 }
 
@@ -318,7 +319,7 @@ TEST(CudaMoe, DeepSeekV2LiteShapeRaggedLoads) {
   std::mt19937 rng(10);
   const Layer l = make_layer(64, 2048, 1408, rng);
   // skew 0.93: expert 0 is ~80x as likely as expert 63; at small M many experts get nothing.
-  for (int64_t t : {1, 8, 33, 200, 1024})
+  for (int64_t t : {1, 8, 33, 200, 1024, 2048})  // 2048: the wgmma row tile picked per forward
     check_all_paths(l, t, 6, route(64, t, 6, 0.93, rng), 20 + static_cast<uint32_t>(t));
 }
 
@@ -332,8 +333,28 @@ TEST(CudaMoe, WideShapeOnlyTheGemmRuns) {
   EXPECT_FALSE(cuda::experts_support(shape, ExpertPath::kGemv));
 }
 
-// The two grouped GEMMs on the same inputs: the same bf16 roundings of act and the partial
-// sums, f32 sums in another order, so a rounding step apart in some elements at most; checked
+// The wgmma path against the CPU on sampled rows and against the mma.sync GEMM on every element:
+// the same inputs, the same bf16 roundings of act and the partial sums, f32 sums in another
+// order, so a rounding step apart in some elements at most.
+void expect_wgmma_matches_gemm(const Layer& l, int64_t tokens, int64_t k, const std::vector<int32_t>& ids,
+                               uint32_t seed, const std::string& what) {
+  std::mt19937 a(seed), b(seed);  // the same x and weights for both runs
+  const GpuRun gemm = run(l, tokens, k, ids, ExpertPath::kGemm, a);
+  const GpuRun wgmma = run(l, tokens, k, ids, ExpertPath::kWgmma, b);
+  EXPECT_LE(wgmma.rel, kBound) << what;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < gemm.y.size(); ++i) {
+    num += (wgmma.y[i] - gemm.y[i]) * double(wgmma.y[i] - gemm.y[i]);
+    den += double(gemm.y[i]) * gemm.y[i];
+  }
+  // Not measured yet: where the f32 sums differ in their last bits a bf16 rounding (act, a
+  // partial sum, y) can flip by one step (2^-8 to 2^-7 relative), in a small fraction of the
+  // elements; a wrong tile, row or column would put an error of the order of 1 on whole tiles
+  // of the ~1e3 here. 1e-2 sits between.
+  EXPECT_LE(std::sqrt(num / den), kBound) << what;
+}
+
+// The two grouped GEMMs on the same inputs (expect_wgmma_matches_gemm); checked
 // where each row tile size is taken (M = 200: 64 rows; M = 1024: 128 rows; M = 2048: 256 rows),
 // with the deepseek-v2-lite shape's 11 gate_up column tiles (22 at 256 rows) and 22 down k-steps.
 TEST(CudaMoe, WgmmaAgreesWithGemm) {
@@ -345,23 +366,8 @@ TEST(CudaMoe, WgmmaAgreesWithGemm) {
   ASSERT_EQ(hx::wgmma_tile_m(200, 6, 64), 64);
   ASSERT_EQ(hx::wgmma_tile_m(1024, 6, 64), 128);
   ASSERT_EQ(hx::wgmma_tile_m(2048, 6, 64), 256);
-  for (int64_t t : {200, 1024, 2048}) {
-    const auto ids = route(64, t, 6, 0.97, rng);
-    std::mt19937 a(t), b(t);  // the same x and weights for both runs
-    const GpuRun gemm = run(l, t, 6, ids, ExpertPath::kGemm, a);
-    const GpuRun wgmma = run(l, t, 6, ids, ExpertPath::kWgmma, b);
-    EXPECT_LE(wgmma.rel, kBound) << "M=" << t;
-    double num = 0, den = 0;
-    for (size_t i = 0; i < gemm.y.size(); ++i) {
-      num += (wgmma.y[i] - gemm.y[i]) * double(wgmma.y[i] - gemm.y[i]);
-      den += double(gemm.y[i]) * gemm.y[i];
-    }
-    // Not measured yet: where the f32 sums differ in their last bits a bf16 rounding (act, a
-    // partial sum, y) can flip by one step (2^-8 to 2^-7 relative), in a small fraction of the
-    // elements; a wrong tile, row or column would put an error of the order of 1 on whole tiles
-    // of the ~1e3 here. 1e-2 sits between.
-    EXPECT_LE(std::sqrt(num / den), kBound) << "M=" << t;
-  }
+  for (int64_t t : {200, 1024, 2048})
+    expect_wgmma_matches_gemm(l, t, 6, route(64, t, 6, 0.97, rng), static_cast<uint32_t>(t), "M=" + std::to_string(t));
 }
 
 // Ids of `tokens` tokens of two slots each giving expert e load[e] rows: the i-th and
@@ -398,16 +404,7 @@ TEST(CudaMoe, WgmmaTallRowTiles) {
   for (const auto& load : loads) {
     std::vector<int32_t> ids;
     ASSERT_NO_FATAL_FAILURE(two_slot_ids(load, tokens, &ids));
-    std::mt19937 ra(7), rb(7);  // the same x and weights for both runs
-    const GpuRun gemm = run(l, tokens, k, ids, ExpertPath::kGemm, ra);
-    const GpuRun wgmma = run(l, tokens, k, ids, ExpertPath::kWgmma, rb);
-    EXPECT_LE(wgmma.rel, kBound) << "largest load " << load[0];
-    double num = 0, den = 0;
-    for (size_t i = 0; i < gemm.y.size(); ++i) {
-      num += (wgmma.y[i] - gemm.y[i]) * double(wgmma.y[i] - gemm.y[i]);
-      den += double(gemm.y[i]) * gemm.y[i];
-    }
-    EXPECT_LE(std::sqrt(num / den), kBound) << "largest load " << load[0];
+    expect_wgmma_matches_gemm(l, tokens, k, ids, 7, "first load " + std::to_string(load[0]));
   }
 }
 
@@ -429,6 +426,37 @@ TEST(CudaMoe, WgmmaRowTileChosenPerForward) {
     std::vector<int32_t> ids;
     ASSERT_NO_FATAL_FAILURE(two_slot_ids(load, tokens, &ids));
     EXPECT_LE(run(l, tokens, k, ids, ExpertPath::kWgmma, rng).rel, kBound) << "largest load " << load[0];
+  }
+}
+
+// Mixed row tiles, offered where experts average about 128 rows: the plan cuts 128-row tiles and,
+// where the counts favour it (CudaPlan.PicksMixedRowTilesFromTheCounts checks the choice), an
+// expert of 129 to 256 rows runs as one 256-row tile, its two tiles' column items taken as twice
+// as many of half the width. The first load hits every tall case: the first and last sizes (129,
+// 256), ends inside either consumer's first or second sub-tile (140, 173, 200, 250), beside an
+// exactly full short tile (128), short ones (100, 64, 1) and an empty expert; the second has half
+// the experts tall. The third, with experts of 257 and 600 rows, keeps 128-row tiles. hidden 2048:
+// enough column tiles that the grid is not the narrow one, which has no mixed tiles.
+TEST(CudaMoe, WgmmaMixedRowTiles) {
+  REQUIRE_GPU();
+  if (!device_is_sm90()) GTEST_SKIP() << "the wgmma path needs compute capability 9.0";
+  namespace hx = cuda::heuristics;
+  std::mt19937 rng(17);
+  const int64_t experts = 16, hidden = 2048, inter = 512, k = 2, tokens = 1024;
+  ASSERT_EQ(hx::wgmma_tile_m(tokens, k, experts), 128);
+  ASSERT_EQ(hx::wgmma_alt_tile(tokens, k, experts), hx::kWgmmaMixedTiles);
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  ASSERT_FALSE(hx::wgmma_narrow_tiles(hx::max_row_tiles(tokens * k, experts, 128), hidden, sms));
+  const Layer l = make_layer(experts, hidden, inter, rng);
+  const std::vector<std::vector<int>> loads = {
+      {129, 256, 128, 200, 140, 1, 0, 64, 100, 173, 250, 199, 130, 100, 80, 98},            // mixed
+      {136, 120, 136, 120, 136, 120, 136, 120, 136, 120, 136, 120, 136, 120, 136, 120},  // mixed
+      {129, 256, 257, 128, 200, 140, 1, 0, 600, 64, 100, 173, 0, 0, 0, 0}};              // 128
+  for (const auto& load : loads) {
+    std::vector<int32_t> ids;
+    ASSERT_NO_FATAL_FAILURE(two_slot_ids(load, tokens, &ids));
+    expect_wgmma_matches_gemm(l, tokens, k, ids, 8, "first load " + std::to_string(load[0]));
   }
 }
 

@@ -96,17 +96,26 @@ constexpr int kPlanChunks = kMaxExperts / 32;
 // for an expert of c rows (rows past its end are zero-filled, not read): a 64- or 128-row tile
 // takes 256 weight columns and so reads 256 weight rows; the 256-row tile takes 128 weight
 // columns, so two of its items cover 256 columns, each reading the expert's rows again.
+// Mixed row tiles (heuristics::kWgmmaMixedTiles): an expert of 129 to 256 rows counts as one
+// 256-row tile, any other as 128-row tiles; one past 256 rows rules them out (-1), as they
+// measured slower wherever such experts were (lab/cuda/NOTES.md, "The gated mixed row tiles, run").
 __device__ __forceinline__ int tile_ingress_rows(int c, int tile) {
   if (c == 0) return 0;
+  if (tile == heuristics::kWgmmaMixedTiles) {
+    if (c > 256) return -1;
+    tile = c > 128 ? 256 : 128;
+  }
   const int n = (c + tile - 1) / tile;
   return tile == 256 ? 256 * n + 2 * c : 256 * n + c;
 }
 
 // Returns the row tile the tiles are built for: tile_m, or with tile_alt > 0 whichever of the two
 // the counts favour: the smaller, unless the larger brings more than 5% fewer rows into the SMs
-// (tile_ingress_rows summed over the experts; with no rows at all, the smaller). num_tiles[0]
-// gets the tile count when tile_m is taken and 0 otherwise; with tile_alt, num_tiles[1] the same
-// for tile_alt. Each GEMM grid reads its own, so the grids of the tile not taken exit at once.
+// (tile_ingress_rows summed over the experts; with no rows at all, the smaller). Mixed row tiles
+// as tile_alt (beside tile_m = 128) count as the larger, and the tiles are tile_m's either way.
+// num_tiles[0] gets the tile count when tile_m is taken and 0 otherwise; with tile_alt,
+// num_tiles[1] the same for tile_alt. Each GEMM grid reads its own, so the grids of the tile not
+// taken exit at once.
 // Checked offline against eight measured cases (lab/cuda/NOTES.md, "The row tile under uneven
 // routing"); it does not count the tensor work of zero-filled rows or the items' balance.
 __device__ int plan_scan(const int* counts, int experts, int tile_m, int tile_alt, int* cursor,
@@ -131,9 +140,10 @@ __device__ int plan_scan(const int* counts, int experts, int tile_m, int tile_al
       chunk_sums[2 * kPlanChunks + c] = sn;
     }
     if (tile_alt > 0) {
-      const int sa = __reduce_add_sync(kAll, tiles_of(cnt, tile_alt));
+      const int sa = __reduce_add_sync(kAll, tiles_of(cnt, tile_alt == heuristics::kWgmmaMixedTiles ? tile_m : tile_alt));
       const int cm = __reduce_add_sync(kAll, tile_ingress_rows(cnt, tile_m));
-      const int ca = __reduce_add_sync(kAll, tile_ingress_rows(cnt, tile_alt));
+      const int ia = tile_ingress_rows(cnt, tile_alt);
+      const int ca = __any_sync(kAll, ia < 0) ? -1 : __reduce_add_sync(kAll, ia);
       if (lane == 0) {
         chunk_sums[3 * kPlanChunks + c] = sa;
         chunk_sums[4 * kPlanChunks + c] = cm;
@@ -143,16 +153,21 @@ __device__ int plan_scan(const int* counts, int experts, int tile_m, int tile_al
   }
   __syncthreads();
   bool alt = false;
+  const bool mixed = tile_alt == heuristics::kWgmmaMixedTiles;
   if (tile_alt > 0) {
     long long cm = 0, ca = 0;
+    bool ruled_out = false;
     for (int c = 0; c < chunks; ++c) {
       cm += chunk_sums[4 * kPlanChunks + c];
-      ca += chunk_sums[5 * kPlanChunks + c];
+      const int a = chunk_sums[5 * kPlanChunks + c];
+      ruled_out |= a < 0;
+      ca += a;
     }
-    alt = tile_alt > tile_m ? ca * 20 < cm * 19 : !(cm * 20 < ca * 19);
+    alt = !ruled_out && (tile_alt > tile_m || mixed ? ca * 20 < cm * 19 : !(cm * 20 < ca * 19));
   }
-  const int tile = alt ? tile_alt : tile_m;
-  const int* tile_sums = chunk_sums + (alt ? 3 : 1) * kPlanChunks;
+  const bool alt_tiles = alt && !mixed;  // tiles built for tile_alt
+  const int tile = alt_tiles ? tile_alt : tile_m;
+  const int* tile_sums = chunk_sums + (alt_tiles ? 3 : 1) * kPlanChunks;
   auto at = [&](int c, int& cnt, int& tiles) {
     cnt = count_at(c);
     tiles = tiles_of(cnt, tile);
@@ -877,6 +892,7 @@ cudaError_t launch_grouped(const ExpertBuffers& b, const void* x, const float* w
 cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int tile_m,
                         cudaStream_t stream, int tile_alt) {
   if (tile_alt != 0 && (tile_m <= 0 || tile_alt == tile_m)) return cudaErrorInvalidValue;
+  if (tile_alt == heuristics::kWgmmaMixedTiles && tile_m != 128) return cudaErrorInvalidValue;
   const int slots = tokens * b.top_k;
   if (slots > kPlanOneBlockSlots && b.plan_counts != nullptr) {
     const int blocks = plan_blocks(slots);

@@ -60,6 +60,8 @@ struct ExpertBuffers {
 // on its own and the combine sums by slot. tile_alt > 0 (another row tile than tile_m): the plan
 // picks one of the two from the counts (moe_decode.cu, plan_scan), builds the tiles for it and
 // writes num_tiles[0] (tile_m's count, 0 when not picked) and num_tiles[1] (tile_alt's).
+// tile_alt heuristics::kWgmmaMixedTiles (beside tile_m 128 only): the tiles are 128 rows either
+// way, the pick only sets the counts.
 cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int tile_m,
                         cudaStream_t stream, int tile_alt = 0);
 

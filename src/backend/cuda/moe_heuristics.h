@@ -109,8 +109,30 @@ inline int wgmma_tile_m(int64_t tokens, int64_t top_k, int64_t experts) {
 // Offered only there: from 64-row tiles (M = 512) the choice of 128 gained as much under skew
 // (qwen3-30b-a3b 464.5 -> 444.2, deepseek-v2-lite 485.6 -> 453.5) but cost 2.5 µs with uniform
 // routing, on layers of ~420-450 µs already near their 1.15x-of-floor line.
+//
+// Where the heuristics take 128-row tiles with experts averaging kWgmmaMixedFrom to
+// kWgmmaTallTileFrom rows, the other candidate is mixed row tiles (kWgmmaMixedTiles): the plan
+// still cuts 128-row tiles, and an expert of 129 to 256 rows, which those leave with a second,
+// nearly empty tile re-reading all of its weights, runs as one 256-row tile. With uniform routing
+// about half the experts are such there. As the only tiles of the layer they lost wherever
+// routing was uneven (lab/cuda/NOTES.md, "The gated mixed row tiles, run"), hence a choice per
+// forward. Measured (moe-bench layer --device cuda, H100, 2026-11-23), µs, without -> with the
+// choice: qwen3-30b-a3b M = 2048 636 -> 595, --routing-skew 0.3 646 -> 612, M = 2176 699 -> 653;
+// where the counts keep 128-row tiles (the mixed grids launched and exiting at once): M = 2048
+// --routing-skew 1 625 -> 627, M = 1792 553 -> 557, deepseek-v2-lite M = 1280 499 -> 502. Below
+// ~100 rows an expert uniform routing leaves almost no expert past 128 rows (M = 1536, 96 rows:
+// 514.6 with 128-row tiles, 513.8 with mixed ones as the only tiles).
+constexpr int kWgmmaMixedTiles = 1;
+constexpr double kWgmmaMixedFrom = 100.0;
+// The row tile the plan cuts for a tile choice.
+inline int plan_tile_m(int tile_m) { return tile_m == kWgmmaMixedTiles ? 128 : tile_m; }
+
 inline int wgmma_alt_tile(int64_t tokens, int64_t top_k, int64_t experts) {
-  return wgmma_tile_m(tokens, top_k, experts) == 256 ? 128 : 0;
+  const int tile = wgmma_tile_m(tokens, top_k, experts);
+  if (tile == 256) return 128;
+  const double per_expert = static_cast<double>(tokens * top_k) / static_cast<double>(experts);
+  const bool near_one_tile = per_expert > kWgmmaMixedFrom && per_expert <= kWgmmaTallTileFrom;
+  return tile == 128 && near_one_tile ? kWgmmaMixedTiles : 0;
 }
 
 inline bool gemv_supports(int64_t hidden, int64_t inter) {

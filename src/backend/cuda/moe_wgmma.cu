@@ -15,7 +15,9 @@
 // when the TMA bytes have landed and each producer thread has seen its own cp.async group done,
 // fenced it to the async proxy (which the tensor cores read through) and arrived.
 // gate_up puts 64 (or 128) gate rows and the matching up rows in one tile, so each consumer
-// thread holds gate and up of the same act column. Only CUDA headers and plain launch headers.
+// thread holds gate and up of the same act column. Mixed row tiles (below, picked per forward by
+// the plan) run 128 x 256 and 256 x 128 items in one grid. Only CUDA headers and plain launch
+// headers.
 #include <cuda.h>  // CUtensorMap and its enums only: the encoder comes through the runtime
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -234,30 +236,56 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[N / 2], uint64_t a, uint64
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
+// Mixed row tiles (heuristics::kWgmmaMixedTiles): the plan cuts every expert into 128-row tiles,
+// and an expert of 129 to 256 rows, which that leaves with a second, nearly empty tile re-reading
+// all of its weights, is run as one 256-row tile instead: its two tiles' 2 x col_tiles items of
+// 128 x 256 become 2 x col_tiles items of 256 x 128 (half the weight rows each, so every weight
+// tile is read once). Both shapes have 48 KB stages, four of them, and 128 accumulators a consumer
+// thread, so one ring serves both: Cfg<256, 128>'s (two producer warpgroups, 512 threads), with
+// TMA boxes of 64 rows (two or four a stage). At 512 threads ptxas gives no instruction more than
+// 128 registers, so a consumer takes its 64 x 256 of a 128 x 256 item as two m64n128 halves. One
+// producer warpgroup with Cfg<128, 256>'s register split instead (m64n256 kept) spilled in
+// gate_up's consumers and cost its ordinary items 1.5% (lab/cuda/NOTES.md, "Mixed row tiles").
+template <int BM, int BN, bool kMixed>
+using RingOf = std::conditional_t<kMixed, Cfg<256, 128>, Cfg<BM, BN>>;
+static_assert(Cfg<128, 256>::kStageBytes == Cfg<256, 128>::kStageBytes &&
+                  Cfg<128, 256>::kStages == Cfg<256, 128>::kStages && Cfg<256, 128>::kBoxRows == 64,
+              "mixed tiles share one ring");
+
+constexpr int kTallMaxRows = 256;
+__device__ __forceinline__ bool tall_expert(int rows) { return rows > 128 && rows <= kTallMaxRows; }
+
+template <int M, int N>
+struct TileShape {
+  static constexpr int kM = M, kN = N;
+};
+
 // Persistent: block b takes work items b, b + gridDim.x, ... of (*num_tiles row tiles) x
 // col_tiles output-column tiles (128 act columns for gate_up, 256 hidden columns for down) x
 // `splits` pieces of the k range (down only, heuristics::wgmma_down_splits), the split varying
 // fastest, then the column tile, so that blocks running together share activation rows in L2.
+// With kMixed (BM 128, BN 256), the items of a tall expert's two tiles are its 256 x 128 items.
 // One ring of stages and one stage counter run across the items: the producer fills the next
 // item's stages while the consumers finish the last one and write its epilogue.
 // wmap: the weights as a 2-D tensor [experts * rows, K] (gate_up: rows = 2 * inter, K = hidden;
-// down: rows = hidden, K = inter), box 64 x Cfg::kBoxRows.
+// down: rows = hidden, K = inter), box 64 x RingOf::kBoxRows.
 // Both GEMMs are launched as programmatic dependents (pdl.h). down's predecessor is gate_up,
 // which lets it start only after waiting for the plan itself, so down may read the plan's tiles
 // before its own wait and put its first item's weight tiles (which depend on nothing computed) in
 // flight while gate_up finishes; only the activation gather waits for gate_up.
 // out: gate_up: bf16 act [slots, inter]; down: bf16 partial sums [slots, hidden], or with
 // splits > 1 f32 ones [splits, split_stride slots, hidden].
-template <int BM, int BN, bool kGateUp>
-__global__ void __launch_bounds__(Cfg<BM, BN>::kThreads, 1) wgmma_gemm_kernel(
+template <int BM, int BN, bool kGateUp, bool kMixed>
+__global__ void __launch_bounds__(RingOf<BM, BN, kMixed>::kThreads, 1) wgmma_gemm_kernel(
     const __grid_constant__ CUtensorMap wmap, const __nv_bfloat16* __restrict__ a_src,
     const int* __restrict__ order, const int* __restrict__ offsets,
     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
     const int* __restrict__ num_tiles, const float* __restrict__ weights, int hidden, int inter,
     int top_k, int col_tiles, int splits, long long split_stride, void* __restrict__ out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = Cfg<BM, BN>;
-  constexpr int S = C::kStages;
+  static_assert(!kMixed || (BM == 128 && BN == 256), "mixed tiles: 128 x 256 and 256 x 128");
+  using R = RingOf<BM, BN, kMixed>;
+  constexpr int S = R::kStages;
   const int K = kGateUp ? hidden : inter;
   const int KT = K / BK;
   const int w_rows = kGateUp ? 2 * inter : hidden;
@@ -273,34 +301,72 @@ __global__ void __launch_bounds__(Cfg<BM, BN>::kThreads, 1) wgmma_gemm_kernel(
     r.kt1 = (r.split + 1) * KT / splits;
     return r;
   };
+  // What an item covers: expert e's rows [row0, row_end), column tile ct of its shape (256 x 128
+  // when tall, else BM x BN). rd reads the plan (plain, or through L2 before the wait).
+  struct Work {
+    int e, row0, row_end, ct;
+    bool tall;
+  };
+  auto describe = [&](const Item& f, auto rd) {
+    Work w;
+    w.e = rd(tile_expert + f.tile);
+    w.row0 = rd(tile_row + f.tile);
+    w.ct = f.ct;
+    w.tall = false;
+    const int end = rd(offsets + w.e + 1);
+    w.row_end = min(end, w.row0 + BM);
+    if constexpr (kMixed) {
+      const int first = rd(offsets + w.e);
+      if (tall_expert(end - first)) {
+        w.tall = true;
+        w.ct = (w.row0 != first ? col_tiles : 0) + f.ct;  // the second tile's items follow the first's
+        w.row0 = first;
+        w.row_end = end;
+      }
+    }
+    return w;
+  };
 
   extern __shared__ unsigned char smem_raw[];
   // The swizzle pattern and the descriptors assume 1024-byte aligned tiles.
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const uint32_t bars = base + S * C::kStageBytes;
+  const uint32_t bars = base + S * R::kStageBytes;
   auto full = [&](int s) { return bars + 8u * s; };
   auto empty = [&](int s) { return bars + 8u * (S + s); };
-  // The weight tile of k-step kt of expert e, column tile ct, into stage s (one thread).
-  auto load_weights = [&](int s, int e, int ct, int kt) {
-    const uint32_t sb = base + s * C::kStageBytes + C::kABytes;
-    mbar_arrive_expect_tx(full(s), C::kBBytes);
-#pragma unroll
-    for (int bx = 0; bx < 2 * C::kParts; ++bx) {
-      int wr;
-      if (kGateUp) {
-        // Box 2q: gate rows of part q; box 2q + 1: the matching up rows.
-        const int q = bx / 2, up = bx % 2;
-        wr = e * w_rows + up * inter + ct * (BN / 2) + q * C::kBoxRows;
-      } else {
-        wr = e * w_rows + ct * BN + bx * C::kBoxRows;
+  // The weight tile of k-step kt of an item into stage s (one thread).
+  auto load_weights = [&](int s, const Work& w, int kt) {
+    if constexpr (kMixed) {
+      // Boxes of 64 rows: gate_up's gate rows of the tile, then the matching up rows.
+      const int bn = w.tall ? 128 : 256, boxes = bn / 64;
+      const uint32_t sb = base + s * R::kStageBytes + (w.tall ? 256 : 128) * BK * 2;
+      mbar_arrive_expect_tx(full(s), bn * BK * 2);
+      for (int bx = 0; bx < boxes; ++bx) {
+        const int wr = kGateUp ? w.e * w_rows + bx / (boxes / 2) * inter + w.ct * (bn / 2) + bx % (boxes / 2) * 64
+                               : w.e * w_rows + w.ct * bn + bx * 64;
+        tma_load_2d(sb + bx * 64 * 128, &wmap, kt * BK, wr, full(s));
       }
-      tma_load_2d(sb + bx * C::kBoxRows * 128, &wmap, kt * BK, wr, full(s));
+    } else {
+      using C = Cfg<BM, BN>;
+      const uint32_t sb = base + s * C::kStageBytes + C::kABytes;
+      mbar_arrive_expect_tx(full(s), C::kBBytes);
+#pragma unroll
+      for (int bx = 0; bx < 2 * C::kParts; ++bx) {
+        int wr;
+        if (kGateUp) {
+          // Box 2q: gate rows of part q; box 2q + 1: the matching up rows.
+          const int q = bx / 2, up = bx % 2;
+          wr = w.e * w_rows + up * inter + w.ct * (BN / 2) + q * C::kBoxRows;
+        } else {
+          wr = w.e * w_rows + w.ct * BN + bx * C::kBoxRows;
+        }
+        tma_load_2d(sb + bx * C::kBoxRows * 128, &wmap, kt * BK, wr, full(s));
+      }
     }
   };
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < S; ++s) {
-      mbar_init(full(s), C::kProducers + 1);  // each producer thread, plus the TMA thread's expect_tx
+      mbar_init(full(s), R::kProducers + 1);  // each producer thread, plus the TMA thread's expect_tx
       mbar_init(empty(s), 8);       // each consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -308,6 +374,7 @@ __global__ void __launch_bounds__(Cfg<BM, BN>::kThreads, 1) wgmma_gemm_kernel(
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
   }
   __syncthreads();
+  auto plain = [](const int* p) { return *p; };
   int items = 0, prefetched = 0;  // prefetched: leading stages whose weights are already issued
   if constexpr (!kGateUp) {
     items = __ldcg(num_tiles) * col_tiles * splits;
@@ -315,8 +382,8 @@ __global__ void __launch_bounds__(Cfg<BM, BN>::kThreads, 1) wgmma_gemm_kernel(
       const Item f = item_at(blockIdx.x);
       prefetched = min(S, f.kt1 - f.kt0);
       if (threadIdx.x == 0) {
-        const int e = __ldcg(tile_expert + f.tile);
-        for (int i = 0; i < prefetched; ++i) load_weights(i, e, f.ct, f.kt0 + i);
+        const Work w = describe(f, [](const int* p) { return __ldcg(p); });
+        for (int i = 0; i < prefetched; ++i) load_weights(i, w, f.kt0 + i);
       }
     }
   }
@@ -326,38 +393,35 @@ __global__ void __launch_bounds__(Cfg<BM, BN>::kThreads, 1) wgmma_gemm_kernel(
   if (static_cast<int>(blockIdx.x) >= items) return;
 
   const int wg = threadIdx.x / 128;
-  if (wg < C::kProducerWGs) {
-    setmaxnreg_dec<C::kProducerRegs>();
+  if (wg < R::kProducerWGs) {
+    setmaxnreg_dec<R::kProducerRegs>();
     const int tid = threadIdx.x, chunk = tid % 8, rsub = tid / 8;
-    constexpr int kPass = C::kProducers / 8;  // rows per pass: 8 chunks of 16 bytes a row
-    constexpr int kARows = BM / kPass;
+    constexpr int kPass = R::kProducers / 8;  // rows per pass: 8 chunks of 16 bytes a row
     int it = 0;  // stage counter over all items
-    for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const Item f = item_at(item);
-      const int e = tile_expert[f.tile];
-      const int row0 = tile_row[f.tile];
-      const int row_end = min(offsets[e + 1], row0 + BM);
-      // Each row's source: a pointer, or at BM = 256 (producers of 40 registers) its start in
-      // 16-byte chunks (32 bits: at most 2^19 slots x 2^10 chunks), which keeps the producer within
-      // its registers. Rows past the expert's end keep an in-bounds address.
-      constexpr bool kChunks = C::kProducerWGs > 1;
+    // The stages of one item of `rows` activation rows.
+    auto produce = [&](auto rows, const Work& w, const Item& f) {
+      constexpr int kARows = decltype(rows)::value / kPass;
+      // Each row's source: a pointer, or with two producer warpgroups (producers of 40 registers)
+      // its start in 16-byte chunks (32 bits: at most 2^19 slots x 2^10 chunks), which keeps the
+      // producer within its registers.
+      constexpr bool kChunks = R::kProducerWGs > 1;
       const __nv_bfloat16* a_ptr[kChunks ? 1 : kARows];
       uint32_t a_chunk[kChunks ? kARows : 1];
       uint32_t a_ok = 0;
 #pragma unroll
       for (int i = 0; i < kARows; ++i) {
-        const int p = row0 + rsub + kPass * i;
-        const bool ok = p < row_end;
+        const int p = w.row0 + rsub + kPass * i;
+        const bool ok = p < w.row_end;  // rows past the expert's end keep an in-bounds address
         if (ok) a_ok |= 1u << i;
-        const uint32_t row = kGateUp ? (ok ? order[p] / top_k : 0) : (ok ? p : row0);
+        const uint32_t row = kGateUp ? (ok ? order[p] / top_k : 0) : (ok ? p : w.row0);
         if constexpr (kChunks) a_chunk[i] = row * static_cast<uint32_t>(K / 8) + chunk;
         else a_ptr[i] = a_src + size_t{row} * K + chunk * 8;
       }
       for (int kt = f.kt0; kt < f.kt1; ++kt, ++it) {
         const int s = it % S;
         if (it >= S) mbar_wait(empty(s), ((it / S) & 1) ^ 1);
-        const uint32_t sa = base + s * C::kStageBytes;
-        if (tid == 0 && it >= prefetched) load_weights(s, e, f.ct, kt);
+        const uint32_t sa = base + s * R::kStageBytes;
+        if (tid == 0 && it >= prefetched) load_weights(s, w, kt);
 #pragma unroll
         for (int i = 0; i < kARows; ++i) {
           const int r = rsub + kPass * i;
@@ -369,33 +433,48 @@ __global__ void __launch_bounds__(Cfg<BM, BN>::kThreads, 1) wgmma_gemm_kernel(
           cp_async16(sa + r * 128 + ((chunk ^ (r & 7)) << 4), src, (a_ok >> i) & 1u);
         }
         cp_async_commit();
-        if (it >= C::kLag) {
-          cp_async_wait<C::kLag>();
+        if (it >= R::kLag) {
+          cp_async_wait<R::kLag>();
           fence_proxy_async();
-          mbar_arrive(full((it - C::kLag) % S));
+          mbar_arrive(full((it - R::kLag) % S));
         }
+      }
+    };
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      const Item f = item_at(item);
+      const Work w = describe(f, plain);
+      if constexpr (kMixed) {
+        if (w.tall) produce(std::integral_constant<int, 256>{}, w, f);
+        else produce(std::integral_constant<int, 128>{}, w, f);
+      } else {
+        produce(std::integral_constant<int, BM>{}, w, f);
       }
     }
     cp_async_wait<0>();
     fence_proxy_async();
-    for (int j = it > C::kLag ? it - C::kLag : 0; j < it; ++j) mbar_arrive(full(j % S));
+    for (int j = it > R::kLag ? it - R::kLag : 0; j < it; ++j) mbar_arrive(full(j % S));
   } else {
-    setmaxnreg_inc<C::kConsumerRegs>();
-    const int cw = wg - C::kProducerWGs;  // consumer 0 or 1
+    setmaxnreg_inc<R::kConsumerRegs>();
+    const int cw = wg - R::kProducerWGs;  // consumer 0 or 1
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-    const uint32_t a_off = BM == 64 ? 0 : cw * C::kConsumerRows * 128;
-    const uint32_t b_off = BM == 64 ? cw * C::WN * 128 : 0;
-    const int part = BM == 64 ? cw : 0;
-    constexpr int U = C::kSubs;
     int it = 0;
-    for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const Item f = item_at(item);
-      const int ct = f.ct;
-      const int row0 = tile_row[f.tile];
-      const int row_end = min(offsets[tile_expert[f.tile] + 1], row0 + BM);
-      const int my_row0 = row0 + (BM == 64 ? 0 : cw * C::kConsumerRows);
+    // One item of tile shape `shape` (TileShape): the k loop, then the epilogue.
+    auto consume = [&](auto shape, const Work& w, const Item& f) {
+      using C = Cfg<decltype(shape)::kM, decltype(shape)::kN>;
+      constexpr int TM = decltype(shape)::kM, TN = decltype(shape)::kN;
+      const uint32_t a_off = TM == 64 ? 0 : cw * C::kConsumerRows * 128;
+      const uint32_t b_off = TM == 64 ? cw * C::WN * 128 : 0;
+      const int part = TM == 64 ? cw : 0;
+      constexpr int U = C::kSubs;
+      const int ct = w.ct, row_end = w.row_end;
+      const int my_row0 = w.row0 + (TM == 64 ? 0 : cw * C::kConsumerRows);
       // Sub-tiles holding at least one of the expert's rows (the same for the whole warpgroup).
       const int subs = min(U, max(0, (row_end - my_row0 + 63) / 64));
+      // Mixed tiles' 128 x 256 items: each consumer's 64 x 256 as two m64n128 halves (gate and up
+      // for gate_up), as the 512-thread ring allows no instruction past 128 registers. Flat
+      // fragment index i of the m64n256 layout is then acc[i / 64][i % 64].
+      constexpr bool kSplitN = kMixed && TN == 256;
+      static_assert(!kSplitN || U == 1, "split columns: one row sub-tile");
       // The epilogue's rows, and for down their slots and routing weights, fetched before the k
       // loop so that their latency hides under it.
       int prow[U][2], slot[U][2];
@@ -412,14 +491,19 @@ __global__ void __launch_bounds__(Cfg<BM, BN>::kThreads, 1) wgmma_gemm_kernel(
             scale[u][h] = weights[slot[u][h]];
           }
         }
-      float acc[U][C::WN / 2];
+      constexpr int kAccRows = kSplitN ? 2 : U, kAccCols = kSplitN ? 64 : C::WN / 2;
+      float acc[kAccRows][kAccCols];
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+      for (int u = 0; u < kAccRows; ++u)
 #pragma unroll
-        for (int i = 0; i < C::WN / 2; ++i) acc[u][i] = 0.f;
+        for (int i = 0; i < kAccCols; ++i) acc[u][i] = 0.f;
+      auto val = [&](int u, int i) -> float& {
+        if constexpr (kSplitN) return acc[i / 64][i % 64];
+        else return acc[u][i];
+      };
       // The k loop for N active sub-tiles, one copy per N: a branch around the wgmmas inside one
-      // loop makes ptxas serialise them (C7520), as it cannot tell the branch is uniform. Only BM
-      // = 256 skips: at BM = 128 a consumer idling on a tile's empty half measured slower
+      // loop makes ptxas serialise them (C7520), as it cannot tell the branch is uniform. Only
+      // 256-row tiles skip: at BM = 128 a consumer idling on a tile's empty half measured slower
       // (qwen3-30b-a3b M = 2048: 668 -> 692 µs, H100), its rows' wgmmas there being free.
       auto k_loop = [&](auto active) {
         constexpr int N = decltype(active)::value;
@@ -427,19 +511,27 @@ __global__ void __launch_bounds__(Cfg<BM, BN>::kThreads, 1) wgmma_gemm_kernel(
           const int s = it % S;
           mbar_wait(full(s), (it / S) & 1);
           if constexpr (N > 0) {
-            const uint32_t sa = base + s * C::kStageBytes + a_off;
-            const uint32_t sb = base + s * C::kStageBytes + C::kABytes + b_off;
+            const uint32_t sa = base + s * R::kStageBytes + a_off;
+            const uint32_t sb = base + s * R::kStageBytes + C::kABytes + b_off;
             wgmma_fence();
+            if constexpr (kSplitN) {
 #pragma unroll
-            for (int u = 0; u < N; ++u)
+              for (int n = 0; n < 2; ++n)
 #pragma unroll
-              for (int kk = 0; kk < BK / 16; ++kk)
-                wgmma_tile<C::WN>(acc[u], sw128_desc(sa + u * 64 * 128 + kk * 32), sw128_desc(sb + kk * 32));
+                for (int kk = 0; kk < BK / 16; ++kk)
+                  wgmma_tile<128>(acc[n], sw128_desc(sa + kk * 32), sw128_desc(sb + n * 128 * 128 + kk * 32));
+            } else {
+#pragma unroll
+              for (int u = 0; u < N; ++u)
+#pragma unroll
+                for (int kk = 0; kk < BK / 16; ++kk)
+                  wgmma_tile<C::WN>(acc[u], sw128_desc(sa + u * 64 * 128 + kk * 32), sw128_desc(sb + kk * 32));
+            }
             wgmma_commit();
             // The previous step is done with its stage once at most this step's group is pending.
             wgmma_wait<1>();
 #pragma unroll
-            for (int u = 0; u < N; ++u) fence_regs(acc[u]);
+            for (int u = 0; u < kAccRows; ++u) fence_regs(acc[u]);
           }
           if (kt > f.kt0) {
             __syncwarp();
@@ -449,7 +541,7 @@ __global__ void __launch_bounds__(Cfg<BM, BN>::kThreads, 1) wgmma_gemm_kernel(
         if constexpr (N > 0) {
           wgmma_wait<0>();
 #pragma unroll
-          for (int u = 0; u < N; ++u) fence_regs(acc[u]);
+          for (int u = 0; u < kAccRows; ++u) fence_regs(acc[u]);
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty((it - 1) % S));  // the item's last stage, before the stores
@@ -471,11 +563,11 @@ __global__ void __launch_bounds__(Cfg<BM, BN>::kThreads, 1) wgmma_gemm_kernel(
           auto* act = static_cast<__nv_bfloat16*>(out);
 #pragma unroll
           for (int j = 0; j < C::WN / 16; ++j) {
-            const int col = ct * (BN / 2) + part * C::kBoxRows + 8 * j + 2 * (lane % 4);
+            const int col = ct * (TN / 2) + part * C::kBoxRows + 8 * j + 2 * (lane % 4);
             if (col >= inter) continue;
-            const float g0 = acc[u][4 * j + 2 * h], g1 = acc[u][4 * j + 2 * h + 1];
-            const float u0 = acc[u][4 * (j + C::WN / 16) + 2 * h];
-            const float u1 = acc[u][4 * (j + C::WN / 16) + 2 * h + 1];
+            const float g0 = val(u, 4 * j + 2 * h), g1 = val(u, 4 * j + 2 * h + 1);
+            const float u0 = val(u, 4 * (j + C::WN / 16) + 2 * h);
+            const float u1 = val(u, 4 * (j + C::WN / 16) + 2 * h + 1);
             *reinterpret_cast<__nv_bfloat162*>(act + (size_t)p * inter + col) =
                 __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
           }
@@ -483,21 +575,31 @@ __global__ void __launch_bounds__(Cfg<BM, BN>::kThreads, 1) wgmma_gemm_kernel(
           auto* sums = static_cast<__nv_bfloat16*>(out);
 #pragma unroll
           for (int j = 0; j < C::WN / 8; ++j) {
-            const int col = ct * BN + part * C::WN + 8 * j + 2 * (lane % 4);
+            const int col = ct * TN + part * C::WN + 8 * j + 2 * (lane % 4);
             if (col >= hidden) continue;
             *reinterpret_cast<__nv_bfloat162*>(sums + (size_t)slot[u][h] * hidden + col) = __floats2bfloat162_rn(
-                scale[u][h] * acc[u][4 * j + 2 * h], scale[u][h] * acc[u][4 * j + 2 * h + 1]);
+                scale[u][h] * val(u, 4 * j + 2 * h), scale[u][h] * val(u, 4 * j + 2 * h + 1));
           }
         } else {
           float* sums = static_cast<float*>(out) + ((size_t)f.split * split_stride + slot[u][h]) * hidden;
 #pragma unroll
           for (int j = 0; j < C::WN / 8; ++j) {
-            const int col = ct * BN + part * C::WN + 8 * j + 2 * (lane % 4);
+            const int col = ct * TN + part * C::WN + 8 * j + 2 * (lane % 4);
             if (col >= hidden) continue;
             *reinterpret_cast<float2*>(sums + col) =
-                make_float2(scale[u][h] * acc[u][4 * j + 2 * h], scale[u][h] * acc[u][4 * j + 2 * h + 1]);
+                make_float2(scale[u][h] * val(u, 4 * j + 2 * h), scale[u][h] * val(u, 4 * j + 2 * h + 1));
           }
         }
+      }
+    };
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      const Item f = item_at(item);
+      const Work w = describe(f, plain);
+      if constexpr (kMixed) {
+        if (w.tall) consume(TileShape<256, 128>{}, w, f);
+        else consume(TileShape<128, 256>{}, w, f);
+      } else {
+        consume(TileShape<BM, BN>{}, w, f);
       }
     }
   }
@@ -536,31 +638,31 @@ cudaError_t weight_map(CUtensorMap* map, const void* w, uint64_t rows, uint64_t 
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <int BM, int BN>
+template <int BM, int BN, bool kMixed = false>
 cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weights, int max_tiles,
                       int splits, long long split_stride, int sms, cudaStream_t stream) {
-  using C = Cfg<BM, BN>;
+  using R = RingOf<BM, BN, kMixed>;
   CUtensorMap gate_up_map, down_map;
-  cudaError_t err = weight_map(&gate_up_map, b.gate_up, uint64_t(b.experts) * 2 * b.inter, b.hidden, C::kBoxRows);
-  if (err == cudaSuccess) err = weight_map(&down_map, b.down, uint64_t(b.experts) * b.hidden, b.inter, C::kBoxRows);
+  cudaError_t err = weight_map(&gate_up_map, b.gate_up, uint64_t(b.experts) * 2 * b.inter, b.hidden, R::kBoxRows);
+  if (err == cudaSuccess) err = weight_map(&down_map, b.down, uint64_t(b.experts) * b.hidden, b.inter, R::kBoxRows);
   if (err != cudaSuccess) return err;
-  auto* gate_up = wgmma_gemm_kernel<BM, BN, true>;
-  auto* down = wgmma_gemm_kernel<BM, BN, false>;
+  auto* gate_up = wgmma_gemm_kernel<BM, BN, true, kMixed>;
+  auto* down = wgmma_gemm_kernel<BM, BN, false, kMixed>;
   // Per device, not a stream operation: harmless inside a graph capture.
-  err = cudaFuncSetAttribute(gate_up, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
-  if (err == cudaSuccess) err = cudaFuncSetAttribute(down, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  err = cudaFuncSetAttribute(gate_up, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSmem);
+  if (err == cudaSuccess) err = cudaFuncSetAttribute(down, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSmem);
   if (err != cudaSuccess) return err;
   // One block per multiprocessor (one fits: ~200 KB of shared memory), or fewer where the worst
   // case has fewer items.
   auto* act = static_cast<__nv_bfloat16*>(b.act);
   const int gu_cols = (b.inter + BN / 2 - 1) / (BN / 2), down_cols = (b.hidden + BN - 1) / BN;
   const int gu_items = max_tiles * gu_cols, down_items = max_tiles * down_cols * splits;
-  err = launch_dependent(gate_up, dim3(gu_items < sms ? gu_items : sms), dim3(C::kThreads), C::kSmem, stream,
+  err = launch_dependent(gate_up, dim3(gu_items < sms ? gu_items : sms), dim3(R::kThreads), R::kSmem, stream,
                          gate_up_map, static_cast<const __nv_bfloat16*>(x), b.order, b.offsets,
                          b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden, b.inter, b.top_k,
                          gu_cols, 1, 0LL, static_cast<void*>(act));
   if (err != cudaSuccess) return err;
-  return launch_dependent(down, dim3(down_items < sms ? down_items : sms), dim3(C::kThreads), C::kSmem,
+  return launch_dependent(down, dim3(down_items < sms ? down_items : sms), dim3(R::kThreads), R::kSmem,
                           stream, down_map, static_cast<const __nv_bfloat16*>(act), b.order, b.offsets,
                           b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden, b.inter, b.top_k,
                           down_cols, splits, split_stride, b.part);
@@ -579,8 +681,8 @@ struct LaunchShape {
 };
 
 cudaError_t launch_shape(const ExpertBuffers& b, int tokens, int tile_m, LaunchShape* s) {
-  s->max_tiles = static_cast<int>(
-      heuristics::max_row_tiles(static_cast<int64_t>(tokens) * b.top_k, b.experts, tile_m));
+  s->max_tiles = static_cast<int>(heuristics::max_row_tiles(static_cast<int64_t>(tokens) * b.top_k, b.experts,
+                                                            heuristics::plan_tile_m(tile_m)));
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&s->sms, cudaDevAttrMultiProcessorCount, device);
@@ -604,11 +706,17 @@ cudaError_t run_tile(const ExpertBuffers& b, const void* x, const float* weights
                   : run_gemms<64, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
   if (tile_m == 256)  // 128-row weight tiles whether narrow or not
     return run_gemms<256, 128>(b, x, weights, max_tiles, splits, stride, sms, stream);
+  if (tile_m == heuristics::kWgmmaMixedTiles)  // not narrow (launch_prefill_wgmma)
+    return run_gemms<128, 256, true>(b, x, weights, max_tiles, splits, stride, sms, stream);
   return narrow ? run_gemms<128, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
                 : run_gemms<128, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
 }
 
 bool valid_tile(int tile_m) { return tile_m == 64 || tile_m == 128 || tile_m == 256; }
+bool valid_alt(int tile_m, int tile_alt) {
+  if (tile_alt == heuristics::kWgmmaMixedTiles) return tile_m == 128;
+  return valid_tile(tile_alt) && tile_alt != tile_m;
+}
 
 }  // namespace
 
@@ -622,15 +730,16 @@ cudaError_t wgmma_partial_sums(const ExpertBuffers& b, int tokens, int tile_m, P
 cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const int* ids,
                                  const float* weights, int tokens, int tile_m, void* y,
                                  cudaStream_t stream, int tile_alt) {
-  if (!valid_tile(tile_m) || (tile_alt != 0 && (!valid_tile(tile_alt) || tile_alt == tile_m)))
-    return cudaErrorInvalidValue;
+  if (!valid_tile(tile_m) || (tile_alt != 0 && !valid_alt(tile_m, tile_alt))) return cudaErrorInvalidValue;
   if (b.hidden % BK != 0 || b.inter % BK != 0) return cudaErrorInvalidValue;
   LaunchShape shape, alt_shape;
   cudaError_t err = launch_shape(b, tokens, tile_m, &shape);
   if (err == cudaSuccess && tile_alt != 0) err = launch_shape(b, tokens, tile_alt, &alt_shape);
   if (err != cudaSuccess) return err;
-  // Both tiles must leave the sums in one form for the combine: no split-K on either.
+  // Both tiles must leave the sums in one form for the combine: no split-K on either. Mixed row
+  // tiles exist on grids of 256 weight rows only.
   if (tile_alt != 0 && (shape.sums.splits != 1 || alt_shape.sums.splits != 1)) tile_alt = 0;
+  if (tile_alt == heuristics::kWgmmaMixedTiles && shape.narrow) tile_alt = 0;
   err = launch_plan(b, ids, tokens, tile_m, stream, tile_alt);
   if (err == cudaSuccess) err = run_tile(b, x, weights, tile_m, shape, stream);
   if (err == cudaSuccess && tile_alt != 0) {

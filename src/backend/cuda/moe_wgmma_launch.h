@@ -16,6 +16,8 @@ namespace moe::cuda::kernels {
 // cuTensorMapEncodeTiled. tile_alt (0: none): another row tile; the plan then picks one of the two
 // per forward from the expert counts (launch_plan), the GEMM grids of both are launched and those
 // of the tile not picked exit at once. Taken only where both leave their partial sums in one form.
+// tile_alt heuristics::kWgmmaMixedTiles (beside tile_m 128, on grids of 256 weight rows): mixed
+// row tiles, an expert of 129 to 256 rows run as one 256-row tile.
 cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const int* ids,
                                  const float* weights, int tokens, int tile_m, void* y,
                                  cudaStream_t stream, int tile_alt = 0);
