@@ -12,6 +12,7 @@
 
 #include "backend/cuda/moe_decode_launch.h"
 #include "backend/cuda/moe_heuristics.h"
+#include "backend/cuda/moe_wgmma_launch.h"
 #include "gpu_test_util.h"
 
 namespace moe {
@@ -223,6 +224,27 @@ TEST(CudaPlan, NoTilesForTheGemv) {
   REQUIRE_GPU();
   std::mt19937 rng(78);
   for (int tokens : {8, 600}) check_plan(random_ids(128, tokens, 8, 0.1, rng), 128, 8, 0, "tile_m 0");
+}
+
+// Tile choices the launches cannot make are refused before anything reaches the device (so this
+// runs without one): the same tile twice, an alternative beside no tiles, mixed row tiles beside
+// another tile than 128, a row tile the wgmma kernels do not have.
+TEST(CudaPlan, RefusesTileChoicesItCannotMake) {
+  namespace k = cuda::kernels;
+  constexpr int kMixed = cuda::heuristics::kWgmmaMixedTiles;
+  k::ExpertBuffers b{};
+  b.experts = 8;
+  b.top_k = 2;
+  b.hidden = 256;
+  b.inter = 128;
+  EXPECT_EQ(k::launch_plan(b, nullptr, 4, 128, nullptr, 128), cudaErrorInvalidValue);
+  EXPECT_EQ(k::launch_plan(b, nullptr, 4, 0, nullptr, 128), cudaErrorInvalidValue);
+  EXPECT_EQ(k::launch_plan(b, nullptr, 4, 64, nullptr, kMixed), cudaErrorInvalidValue);
+  EXPECT_EQ(k::launch_prefill_wgmma(b, nullptr, nullptr, nullptr, 4, 100, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(k::launch_prefill_wgmma(b, nullptr, nullptr, nullptr, 4, 128, nullptr, nullptr, 128),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(k::launch_prefill_wgmma(b, nullptr, nullptr, nullptr, 4, 256, nullptr, nullptr, kMixed),
+            cudaErrorInvalidValue);
 }
 
 }  // namespace
