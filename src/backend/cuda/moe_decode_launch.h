@@ -1,6 +1,6 @@
-// The launch interface of the routed-expert kernels (moe_decode.cu: plan, GEMV path, combine;
-// moe_prefill.cu: grouped GEMM path): plain pointers and sizes, no library types, so the .cu files
-// need nothing but CUDA headers.
+// The launch interface of the routed-expert kernels (moe_plan.cu: plan; moe_decode.cu: GEMV
+// path, combine; moe_prefill.cu: grouped GEMM path): plain pointers and sizes, no library types,
+// so the .cu files need nothing but CUDA headers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,7 +30,7 @@ struct PartialSums {
   bool chained = false;  // a programmatic dependent of the kernel before it (pdl.h)
 };
 
-// Blocks of the plan past one block's worth of slots (moe_decode.cu): ExpertBuffers::plan_counts
+// Blocks of the plan past one block's worth of slots (moe_plan.cu): ExpertBuffers::plan_counts
 // holds this many rows of per-expert counts.
 constexpr int kMaxPlanBlocks = 128;
 
@@ -58,7 +58,7 @@ struct ExpertBuffers {
 // Counts, offsets, the per-expert slot lists and, when tile_m > 0, the GEMM row tiles. One block;
 // the order inside an expert's list is not fixed, which changes no result: every row is computed
 // on its own and the combine sums by slot. tile_alt > 0 (another row tile than tile_m): the plan
-// picks one of the two from the counts (moe_decode.cu, plan_scan), builds the tiles for it and
+// picks one of the two from the counts (moe_plan.cu, plan_scan), builds the tiles for it and
 // writes num_tiles[0] (tile_m's count, 0 when not picked) and num_tiles[1] (tile_alt's).
 // tile_alt heuristics::kWgmmaMixedTiles (beside tile_m 128 only): the tiles are 128 rows either
 // way, the pick only sets the counts.

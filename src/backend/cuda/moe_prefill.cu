@@ -1,5 +1,5 @@
 // Large-M (prefill) routed-expert path: two grouped GEMMs on the tensor cores over the device
-// plan of moe_decode.cu. One block computes one row tile of one expert (up to BM of its routed
+// plan of moe_plan.cu. One block computes one row tile of one expert (up to BM of its routed
 // rows, gathered through the plan's order) against 128 weight rows:
 //  - gate_up: A = x rows gathered by token, B = 64 gate rows and the matching 64 up rows, so each
 //    thread holds gate and up of the same act column and the epilogue writes SiLU(g) * u in bf16;
