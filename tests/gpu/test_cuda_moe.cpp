@@ -384,6 +384,17 @@ void two_slot_ids(const std::vector<int>& load, int64_t tokens, std::vector<int3
   }
 }
 
+// Each load (rows per expert, summing to tokens * 2) routed by two_slot_ids, through
+// expect_wgmma_matches_gemm.
+void expect_loads_match_gemm(const Layer& l, int64_t tokens, const std::vector<std::vector<int>>& loads,
+                             uint32_t seed) {
+  for (const auto& load : loads) {
+    std::vector<int32_t> ids;
+    ASSERT_NO_FATAL_FAILURE(two_slot_ids(load, tokens, &ids));
+    expect_wgmma_matches_gemm(l, tokens, 2, ids, seed, "first load " + std::to_string(load[0]));
+  }
+}
+
 // 256-row tiles (taken where experts average a little more than one 128-row tile): each consumer
 // warpgroup takes 128 rows as two 64-row sub-tiles and skips those past the expert's end. Loads
 // chosen to hit every case: an expert of two and a half tiles, tiles that end inside the first
@@ -401,16 +412,13 @@ TEST(CudaMoe, WgmmaTallRowTiles) {
   const std::vector<std::vector<int>> loads = {
       {520, 300, 257, 256, 193, 150, 129, 100, 65, 64, 13, 1, 0, 0, 512, 0},
       {0, 0, 0, 1280, 0, 0, 0, 0, 0, 0, 0, 1280, 0, 0, 0, 0}};
-  for (const auto& load : loads) {
-    std::vector<int32_t> ids;
-    ASSERT_NO_FATAL_FAILURE(two_slot_ids(load, tokens, &ids));
-    expect_wgmma_matches_gemm(l, tokens, k, ids, 7, "first load " + std::to_string(load[0]));
-  }
+  expect_loads_match_gemm(l, tokens, loads, 7);
 }
 
 // Where the heuristics offer the plan a second row tile (128 beside 256 here), both choices give
-// the CPU's result: even loads of 160 rows keep the 256-row tiles; two experts of 600 rows beside
-// fourteen of ~100 take 128 (CudaPlan.PicksTheRowTileFromTheCounts checks the choice itself).
+// the CPU's and the mma.sync GEMM's result: even loads of 160 rows keep the 256-row tiles; two
+// experts of 600 rows beside fourteen of ~100 take 128 (CudaPlan.PicksTheRowTileFromTheCounts
+// checks the choice itself).
 TEST(CudaMoe, WgmmaRowTileChosenPerForward) {
   REQUIRE_GPU();
   if (!device_is_sm90()) GTEST_SKIP() << "the wgmma path needs compute capability 9.0";
@@ -422,11 +430,7 @@ TEST(CudaMoe, WgmmaRowTileChosenPerForward) {
   const std::vector<std::vector<int>> loads = {
       std::vector<int>(16, 160),                                                  // 256-row tiles
       {600, 600, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 92, 92}};  // 128-row tiles
-  for (const auto& load : loads) {
-    std::vector<int32_t> ids;
-    ASSERT_NO_FATAL_FAILURE(two_slot_ids(load, tokens, &ids));
-    EXPECT_LE(run(l, tokens, k, ids, ExpertPath::kWgmma, rng).rel, kBound) << "largest load " << load[0];
-  }
+  expect_loads_match_gemm(l, tokens, loads, 9);
 }
 
 // Mixed row tiles, offered where experts average about 128 rows: the plan cuts 128-row tiles and,
@@ -453,11 +457,7 @@ TEST(CudaMoe, WgmmaMixedRowTiles) {
       {129, 256, 128, 200, 140, 1, 0, 64, 100, 173, 250, 199, 130, 100, 80, 98},            // mixed
       {136, 120, 136, 120, 136, 120, 136, 120, 136, 120, 136, 120, 136, 120, 136, 120},  // mixed
       {129, 256, 257, 128, 200, 140, 1, 0, 600, 64, 100, 173, 0, 0, 0, 0}};              // 128
-  for (const auto& load : loads) {
-    std::vector<int32_t> ids;
-    ASSERT_NO_FATAL_FAILURE(two_slot_ids(load, tokens, &ids));
-    expect_wgmma_matches_gemm(l, tokens, k, ids, 8, "first load " + std::to_string(load[0]));
-  }
+  expect_loads_match_gemm(l, tokens, loads, 8);
 }
 
 // Both paths on the same inputs: two roundings of bf16 intermediates apart, not identical.

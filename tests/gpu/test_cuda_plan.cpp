@@ -92,8 +92,10 @@ void check_plan(const std::vector<int32_t>& ids, int experts, int top_k, int til
   if (expect_tile > 0) {
     ASSERT_EQ(tile, expect_tile) << "the case does not test what it says";
   }
-  const HostPlan want = host_plan(ids, experts, cuda::heuristics::plan_tile_m(tile));
-  const int smallest = tile_alt > 0 ? std::min(tile_m, cuda::heuristics::plan_tile_m(tile_alt)) : tile_m;
+  // The row tile the plan cuts for a choice: mixed row tiles keep 128-row ones.
+  auto cut = [](int t) { return t == cuda::heuristics::kWgmmaMixedTiles ? 128 : t; };
+  const HostPlan want = host_plan(ids, experts, cut(tile));
+  const int smallest = tile_alt > 0 ? std::min(tile_m, cut(tile_alt)) : tile_m;
   const size_t max_tiles = static_cast<size_t>((smallest > 0 ? slots / smallest : 0) + experts + 1);
   DeviceBuffer<int32_t> d_ids(ids);
   DeviceBuffer<int> offsets(static_cast<size_t>(experts + 1)), order(static_cast<size_t>(slots)),

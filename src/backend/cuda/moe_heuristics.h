@@ -124,8 +124,6 @@ inline int wgmma_tile_m(int64_t tokens, int64_t top_k, int64_t experts) {
 // 514.6 with 128-row tiles, 513.8 with mixed ones as the only tiles).
 constexpr int kWgmmaMixedTiles = 1;
 constexpr double kWgmmaMixedFrom = 100.0;
-// The row tile the plan cuts for a tile choice.
-inline int plan_tile_m(int tile_m) { return tile_m == kWgmmaMixedTiles ? 128 : tile_m; }
 
 inline int wgmma_alt_tile(int64_t tokens, int64_t top_k, int64_t experts) {
   const int tile = wgmma_tile_m(tokens, top_k, experts);

@@ -103,6 +103,7 @@ __device__ int plan_scan(const int* counts, int experts, int tile_m, int tile_al
     return e < experts ? counts[e] : 0;
   };
   auto tiles_of = [](int cnt, int tile) { return tile > 0 ? (cnt + tile - 1) / tile : 0; };
+  const bool mixed = tile_alt == heuristics::kWgmmaMixedTiles;  // tile_m's tiles either way
   for (int c = warp; c < chunks; c += warps) {
     const int cnt = count_at(c);
     const int sc = __reduce_add_sync(kAll, cnt), st = __reduce_add_sync(kAll, tiles_of(cnt, tile_m));
@@ -113,7 +114,7 @@ __device__ int plan_scan(const int* counts, int experts, int tile_m, int tile_al
       chunk_sums[2 * kPlanChunks + c] = sn;
     }
     if (tile_alt > 0) {
-      const int sa = __reduce_add_sync(kAll, tiles_of(cnt, tile_alt == heuristics::kWgmmaMixedTiles ? tile_m : tile_alt));
+      const int sa = mixed ? 0 : __reduce_add_sync(kAll, tiles_of(cnt, tile_alt));
       const int cm = __reduce_add_sync(kAll, tile_ingress_rows(cnt, tile_m));
       const int ia = tile_ingress_rows(cnt, tile_alt);
       const int ca = __any_sync(kAll, ia < 0) ? -1 : __reduce_add_sync(kAll, ia);
@@ -126,7 +127,6 @@ __device__ int plan_scan(const int* counts, int experts, int tile_m, int tile_al
   }
   __syncthreads();
   bool alt = false;
-  const bool mixed = tile_alt == heuristics::kWgmmaMixedTiles;
   if (tile_alt > 0) {
     long long cm = 0, ca = 0;
     bool ruled_out = false;

@@ -681,8 +681,8 @@ struct LaunchShape {
 };
 
 cudaError_t launch_shape(const ExpertBuffers& b, int tokens, int tile_m, LaunchShape* s) {
-  s->max_tiles = static_cast<int>(heuristics::max_row_tiles(static_cast<int64_t>(tokens) * b.top_k, b.experts,
-                                                            heuristics::plan_tile_m(tile_m)));
+  s->max_tiles = static_cast<int>(
+      heuristics::max_row_tiles(static_cast<int64_t>(tokens) * b.top_k, b.experts, tile_m));
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&s->sms, cudaDevAttrMultiProcessorCount, device);
@@ -734,7 +734,9 @@ cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const in
   if (b.hidden % BK != 0 || b.inter % BK != 0) return cudaErrorInvalidValue;
   LaunchShape shape, alt_shape;
   cudaError_t err = launch_shape(b, tokens, tile_m, &shape);
-  if (err == cudaSuccess && tile_alt != 0) err = launch_shape(b, tokens, tile_alt, &alt_shape);
+  // Mixed row tiles keep tile_m's plan, hence its shape.
+  if (tile_alt == heuristics::kWgmmaMixedTiles) alt_shape = shape;
+  else if (err == cudaSuccess && tile_alt != 0) err = launch_shape(b, tokens, tile_alt, &alt_shape);
   if (err != cudaSuccess) return err;
   // Both tiles must leave the sums in one form for the combine: no split-K on either. Mixed row
   // tiles exist on grids of 256 weight rows only.
