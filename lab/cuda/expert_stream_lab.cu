@@ -16,7 +16,8 @@
 // and gate_up alone, chained: the library's, with the expert list known (no routing), with a
 // non-persistent grid, fast routing, one token, and a dense GEMV over the same bytes.
 //
-// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc -o /tmp/expert_stream_lab lab/cuda/expert_stream_lab.cu
+// Build: nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Isrc \
+//          -o /tmp/expert_stream_lab lab/cuda/expert_stream_lab.cu src/backend/cuda/moe_plan.cu
 // Run:   /tmp/expert_stream_lab
 #include "backend/cuda/moe_decode.cu"
 
