@@ -355,6 +355,7 @@ struct GateUpVariant {
   void (*lib)(const __nv_bfloat16*, const __nv_bfloat16*, const int*, int, int, int, int, __nv_bfloat16*);
   void (*bulk)(const __nv_bfloat16*, const __nv_bfloat16*, const int*, int, int, int, int, __nv_bfloat16*, int);
   int rows, stages;  // bulk: gate rows a chunk, ring stages
+  bool plain = false;  // launched without the programmatic-dependent attribute
 };
 struct DownVariant {
   const char* name;
@@ -373,7 +374,7 @@ int occupancy_grid(K kernel, int threads, size_t smem) {
 void launch_gate_up(const GateUpVariant& v, const Shape& sh, const LayerBufs& l, const __nv_bfloat16* x,
                     __nv_bfloat16* act, cudaStream_t s) {
   if (v.lib) {
-    CHECK(launch_kernel(v.lib, dim3(occupancy_grid(v.lib, 128, 0)), dim3(128), 0, s, true, x,
+    CHECK(launch_kernel(v.lib, dim3(occupancy_grid(v.lib, 128, 0)), dim3(128), 0, s, !v.plain, x,
                         (const __nv_bfloat16*)l.gate_up, (const int*)l.ids, sh.top_k, sh.hidden, sh.inter,
                         sh.top_k, act));
     return;
@@ -548,6 +549,13 @@ void bench(const Shape& sh, const std::vector<GateUpVariant>& gus, const std::ve
     std::printf("  empty kernel                  %7.2f\n", time_cold([&](int, cudaStream_t s) {
                   CHECK(launch_kernel(empty_kernel, dim3(1), dim3(32), 0, s, true, 0));
                 }));
+    std::printf("  empty kernel, plain launch    %7.2f\n", time_cold([&](int, cudaStream_t s) {
+                  CHECK(launch_kernel(empty_kernel, dim3(1), dim3(32), 0, s, false, 0));
+                }));
+    std::printf("  two empty kernels, chained    %7.2f\n", time_cold([&](int, cudaStream_t s) {
+                  CHECK(launch_kernel(empty_kernel, dim3(1), dim3(32), 0, s, true, 0));
+                  CHECK(launch_kernel(empty_kernel, dim3(1), dim3(32), 0, s, true, 0));
+                }));
     for (const auto& v : gus)
       std::printf("  gate_up %-28s %7.2f\n", v.name,
                   time_cold([&](int l, cudaStream_t s) { launch_gate_up(v, sh, L[l], x, act, s); }));
@@ -603,6 +611,7 @@ int main() {
       {"library, smem carveout", gate_up_try<8, false, 0>, nullptr, 0, 0},
       {"expert fastest", gate_up_try<8, true, 0>, nullptr, 0, 0},
       {"pages touched", gate_up_try<8, false, 128>, nullptr, 0, 0},
+      {"library, plain launch", gate_up_kernel<8, OneTokenRouting>, nullptr, 0, 0, true},
   };
   bench<8, 3>({"qwen3-30b-a3b", 128, 2048, 768, 8}, gus,
               {
@@ -612,7 +621,7 @@ int main() {
                   {"bulk 16 x 8, evict_first", nullptr, down_combine_bulk<3, 2, true>, 16, 8},
                   {"bulk 8 rows x 8 stages", nullptr, down_combine_bulk<3, 1, false>, 8, 8},
               });
-  gus.back() = {"pages touched", gate_up_try<8, false, 64>, nullptr, 0, 0};
+  gus[gus.size() - 2] = {"pages touched", gate_up_try<8, false, 64>, nullptr, 0, 0};
   bench<8, 6>({"deepseek-v2-lite", 64, 2048, 1408, 6}, gus,
               {
                   {"library", down_combine_kernel<6>, nullptr, 0, 0},
