@@ -37,17 +37,10 @@
 #include <random>
 #include <vector>
 
+#include "lab_timing.cuh"
+
 namespace moe::cuda::kernels {
 namespace {
-
-#define CHECK(x)                                                                                 \
-  do {                                                                                           \
-    cudaError_t err_ = (x);                                                                      \
-    if (err_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -403,71 +396,7 @@ void launch_down(const DownVariant& v, const Shape& sh, const LayerBufs& l, cons
                       sh.inter, y, v.stages));
 }
 
-template <typename F>
-double time_graph(F&& body) {
-  cudaStream_t s;
-  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (int l = 0; l < kLayers; ++l) body(l, s);
-  CHECK(cudaStreamEndCapture(s, &g));
-  CHECK(cudaGraphInstantiate(&ge, g, 0));
-  for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(ge, s));
-  cudaEvent_t t0, t1;
-  CHECK(cudaEventCreate(&t0));
-  CHECK(cudaEventCreate(&t1));
-  constexpr int kReplays = 40;
-  CHECK(cudaEventRecord(t0, s));
-  for (int i = 0; i < kReplays; ++i) CHECK(cudaGraphLaunch(ge, s));
-  CHECK(cudaEventRecord(t1, s));
-  CHECK(cudaEventSynchronize(t1));
-  float ms = 0;
-  CHECK(cudaEventElapsedTime(&ms, t0, t1));
-  CHECK(cudaGraphExecDestroy(ge));
-  CHECK(cudaGraphDestroy(g));
-  CHECK(cudaStreamDestroy(s));
-  CHECK(cudaEventDestroy(t0));
-  CHECK(cudaEventDestroy(t1));
-  return ms * 1e3 / (kReplays * kLayers);
-}
-
-// As moe-bench layer times a point: one layer (layer 0) in a graph, 256 MB written before each
-// replay to flush L2, events around the replay, median of 50 after 10.
-template <typename F>
-double time_cold(F&& body) {
-  static void* flush = nullptr;
-  if (!flush) CHECK(cudaMalloc(&flush, 256u << 20));
-  cudaStream_t s;
-  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  body(0, s);
-  CHECK(cudaStreamEndCapture(s, &g));
-  CHECK(cudaGraphInstantiate(&ge, g, 0));
-  cudaEvent_t t0, t1;
-  CHECK(cudaEventCreate(&t0));
-  CHECK(cudaEventCreate(&t1));
-  std::vector<float> us;
-  for (int r = 0; r < 60; ++r) {
-    CHECK(cudaMemsetAsync(flush, r & 0xff, 256u << 20, s));
-    CHECK(cudaEventRecord(t0, s));
-    CHECK(cudaGraphLaunch(ge, s));
-    CHECK(cudaEventRecord(t1, s));
-    CHECK(cudaEventSynchronize(t1));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, t0, t1));
-    if (r >= 10) us.push_back(ms * 1e3f);
-  }
-  std::sort(us.begin(), us.end());
-  CHECK(cudaGraphExecDestroy(ge));
-  CHECK(cudaGraphDestroy(g));
-  CHECK(cudaStreamDestroy(s));
-  CHECK(cudaEventDestroy(t0));
-  CHECK(cudaEventDestroy(t1));
-  return us[us.size() / 2];
-}
+using lab::time_cold;
 
 __global__ void empty_kernel(int) {}
 
@@ -532,14 +461,14 @@ void bench(const Shape& sh, const std::vector<GateUpVariant>& gus, const std::ve
     std::printf(" run %d, alone (chained x8), us:\n", rep);
     for (const auto& v : gus)
       std::printf("  gate_up %-28s %7.2f\n", v.name,
-                  time_graph([&](int l, cudaStream_t s) { launch_gate_up(v, sh, L[l], x, act, s); }));
+                  lab::time_chained(kLayers, [&](int l, cudaStream_t s) { launch_gate_up(v, sh, L[l], x, act, s); }));
     for (const auto& v : dns)
       std::printf("  down    %-28s %7.2f\n", v.name,
-                  time_graph([&](int l, cudaStream_t s) { launch_down(v, sh, L[l], act, weights, y, s); }));
+                  lab::time_chained(kLayers, [&](int l, cudaStream_t s) { launch_down(v, sh, L[l], act, weights, y, s); }));
     std::printf(" run %d, layers (gate_up + down), us:\n", rep);
     for (const auto& g : gus)
       for (const auto& d : dns)
-        std::printf("  %-28s + %-28s %7.2f\n", g.name, d.name, time_graph([&](int l, cudaStream_t s) {
+        std::printf("  %-28s + %-28s %7.2f\n", g.name, d.name, lab::time_chained(kLayers, [&](int l, cudaStream_t s) {
                       launch_gate_up(g, sh, L[l], x, act, s);
                       launch_down(d, sh, L[l], act, weights, y, s);
                     }));

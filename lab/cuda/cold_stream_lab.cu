@@ -30,16 +30,12 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                      \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
+#include "lab_timing.cuh"
 
 namespace {
+
+using lab::time_chained;
+using lab::time_cold;
 
 constexpr int kExperts = 128, kTopK = 8, kHidden = 2048, kInter = 768;
 constexpr uint64_t kGateUpVecs = uint64_t(2) * kInter * kHidden * 2 / 16;  // 16-byte vectors an expert
@@ -138,73 +134,6 @@ void launch(K kernel, int blocks, cudaStream_t s, bool dependent, Args... args) 
 }
 
 __global__ void empty_kernel() {}
-
-// One graph of body(layer, stream) for layers [0, layers), replayed; µs a replay / layers.
-template <typename F>
-double time_chained(int layers, F&& body) {
-  cudaStream_t s;
-  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (int l = 0; l < layers; ++l) body(l, s);
-  CHECK(cudaStreamEndCapture(s, &g));
-  CHECK(cudaGraphInstantiate(&ge, g, 0));
-  for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(ge, s));
-  cudaEvent_t t0, t1;
-  CHECK(cudaEventCreate(&t0));
-  CHECK(cudaEventCreate(&t1));
-  constexpr int kReplays = 40;
-  CHECK(cudaEventRecord(t0, s));
-  for (int i = 0; i < kReplays; ++i) CHECK(cudaGraphLaunch(ge, s));
-  CHECK(cudaEventRecord(t1, s));
-  CHECK(cudaEventSynchronize(t1));
-  float ms = 0;
-  CHECK(cudaEventElapsedTime(&ms, t0, t1));
-  CHECK(cudaEventDestroy(t0));
-  CHECK(cudaEventDestroy(t1));
-  CHECK(cudaGraphExecDestroy(ge));
-  CHECK(cudaGraphDestroy(g));
-  CHECK(cudaStreamDestroy(s));
-  return 1e3 * ms / kReplays / layers;
-}
-
-// moe-bench layer's method: one layer (layer 0) in a graph, 256 MB written before each replay,
-// events around the replay, median of 50 after 10.
-template <typename F>
-double time_cold(F&& body) {
-  static void* flush = nullptr;
-  if (!flush) CHECK(cudaMalloc(&flush, 256u << 20));
-  cudaStream_t s;
-  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  body(0, s);
-  CHECK(cudaStreamEndCapture(s, &g));
-  CHECK(cudaGraphInstantiate(&ge, g, 0));
-  cudaEvent_t t0, t1;
-  CHECK(cudaEventCreate(&t0));
-  CHECK(cudaEventCreate(&t1));
-  std::vector<float> t;
-  for (int r = 0; r < 60; ++r) {
-    CHECK(cudaMemsetAsync(flush, r & 0xff, 256u << 20, s));
-    CHECK(cudaEventRecord(t0, s));
-    CHECK(cudaGraphLaunch(ge, s));
-    CHECK(cudaEventRecord(t1, s));
-    CHECK(cudaEventSynchronize(t1));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, t0, t1));
-    if (r >= 10) t.push_back(ms);
-  }
-  std::sort(t.begin(), t.end());
-  CHECK(cudaEventDestroy(t0));
-  CHECK(cudaEventDestroy(t1));
-  CHECK(cudaGraphExecDestroy(ge));
-  CHECK(cudaGraphDestroy(g));
-  CHECK(cudaStreamDestroy(s));
-  return 1e3 * t[t.size() / 2];
-}
 
 struct Buffers {
   uint4* gate_up;  // kExperts x kGateUpVecs
