@@ -2,7 +2,8 @@
 // times it? The routed experts of one token read 8 experts' gate_up rows (qwen3-30b-a3b: 8 x
 // 6.29 MB) and then their down rows (8 x 3.15 MB), 75.5 MB in all, with the expert ids read
 // first. These kernels do nothing but that reading (16-byte loads, an xor into one word a block,
-// so nothing is optimised away), in the shapes a real layer could take:
+// so nothing is optimised away; the load and the launch are the library's own, from
+// stream_load.cuh and pdl.h), in the shapes a real layer could take:
 //   dense      one kernel over 75.5 MB of contiguous memory (no ids; chained by plain launches)
 //   gate_up alone    the 8 gate_up chunks (50.3 MB), the ids read in the kernel first
 //   ids, 1     one kernel over the 16 expert chunks, the ids read in the kernel first
@@ -20,7 +21,7 @@
 // this layout reaches the target under this timing.
 //
 // Build (development machine, carried to the GPU machine):
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/cold_stream_lab \
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc -o /tmp/cold_stream_lab \
 //     lab/cuda/cold_stream_lab.cu
 #include <cuda_runtime.h>
 
@@ -30,28 +31,23 @@
 #include <cstdlib>
 #include <vector>
 
+#include "backend/cuda/pdl.h"
+#include "backend/cuda/stream_load.cuh"
 #include "lab_timing.cuh"
 
 namespace {
 
 using lab::time_chained;
 using lab::time_cold;
+using moe::cuda::kernels::allow_dependents;
+using moe::cuda::kernels::launch_kernel;
+using moe::cuda::kernels::load_stream;
+using moe::cuda::kernels::wait_for_predecessor;
 
 constexpr int kExperts = 128, kTopK = 8, kHidden = 2048, kInter = 768;
 constexpr uint64_t kGateUpVecs = uint64_t(2) * kInter * kHidden * 2 / 16;  // 16-byte vectors an expert
 constexpr uint64_t kDownVecs = uint64_t(kHidden) * kInter * 2 / 16;
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ void wait_for_predecessor() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void allow_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 __device__ __forceinline__ void finish(uint32_t acc, uint32_t* out) {
   for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
@@ -121,16 +117,7 @@ __global__ void __launch_bounds__(kThreads) chunks_kernel(const uint4* a, uint64
 
 template <typename K, typename... Args>
 void launch(K kernel, int blocks, cudaStream_t s, bool dependent, Args... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = dependent ? 1 : 0;
-  CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+  CHECK(launch_kernel(kernel, dim3(blocks), dim3(kThreads), 0, s, dependent, args...));
 }
 
 __global__ void empty_kernel() {}
