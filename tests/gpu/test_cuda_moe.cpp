@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <random>
 #include <string>
 
@@ -167,20 +168,25 @@ GpuRun run(const Layer& l, int64_t tokens, int64_t k, const std::vector<int32_t>
   return r;
 }
 
+// One path on one routing: every row checked for poison, sampled rows against the CPU.
+void check_path(const Layer& l, int64_t tokens, int64_t k, const std::vector<int32_t>& ids, ExpertPath p,
+                std::mt19937& rng) {
+  EXPECT_LE(run(l, tokens, k, ids, p, rng).rel, kBound)
+      << "path " << static_cast<int>(p) << ", M=" << tokens << ", E=" << l.w.num_local << ", H=" << l.w.hidden
+      << ", I=" << l.w.inter << ", k=" << k;
+}
+
 // Each path the shape allows (the GEMV one up to 256 tokens, the wgmma one on sm_90), and the
 // automatic choice.
 void check_all_paths(const Layer& l, int64_t tokens, int64_t k, const std::vector<int32_t>& ids,
                      uint32_t seed) {
   std::mt19937 rng(seed);
-  const int64_t experts = l.w.num_local, hidden = l.w.hidden, inter = l.w.inter;
-  const cuda::ExpertShape shape{experts, hidden, inter, k};
+  const cuda::ExpertShape shape{l.w.num_local, l.w.hidden, l.w.inter, k};
   for (ExpertPath p : {ExpertPath::kAuto, ExpertPath::kGemv, ExpertPath::kGemm, ExpertPath::kWgmma}) {
     if (!cuda::experts_support(shape, p)) continue;
     if (p == ExpertPath::kWgmma && !device_is_sm90()) continue;
     if (p == ExpertPath::kGemv && cuda::experts_support(shape, ExpertPath::kGemm) && tokens > 256) continue;
-    EXPECT_LE(run(l, tokens, k, ids, p, rng).rel, kBound)
-        << "path " << static_cast<int>(p) << ", M=" << tokens << ", E=" << experts << ", H=" << hidden
-        << ", I=" << inter << ", k=" << k;
+    check_path(l, tokens, k, ids, p, rng);
   }
 }
 
@@ -306,22 +312,86 @@ TEST(CudaMoe, EveryTokenOnTheSameSixExperts) {
   check_all_paths(64, 2048, 1408, 700, 6, ids, 6);
 }
 
-TEST(CudaMoe, QwenShapeFromDecodeToPrefill) {
-  REQUIRE_GPU();
-  std::mt19937 rng(9);
-  const Layer l = make_layer(128, 2048, 768, rng);
-  for (int64_t t : {1, 8, 33, 200, 1024, 2048})  // 2048: mixed row tiles on the wgmma path
-    check_all_paths(l, t, 8, route(128, t, 8, 1.0, rng), 5 + static_cast<uint32_t>(t));
+// The model shapes' layers are large (600M weights for qwen3): each suite makes its layer once
+// and shares it among its cases. The cases are one test each, so that a sanitizer can take them
+// one process at a time.
+template <int64_t Experts, int64_t Hidden, int64_t Inter, uint32_t Seed, typename Param>
+class SharedLayerTest : public ::testing::TestWithParam<Param> {
+ protected:
+  static void SetUpTestSuite() {
+    if (!gputest::have_gpu()) return;
+    std::mt19937 rng(Seed);
+    layer_ = std::make_unique<Layer>(make_layer(Experts, Hidden, Inter, rng));
+  }
+  static void TearDownTestSuite() { layer_.reset(); }
+  static const Layer& layer() { return *layer_; }
+
+ private:
+  static inline std::unique_ptr<Layer> layer_;
+};
+
+// One routed batch through one path.
+struct PathCase {
+  int64_t tokens;
+  ExpertPath path;
+};
+
+const char* path_name(ExpertPath p) {
+  switch (p) {
+    case ExpertPath::kAuto: return "auto";
+    case ExpertPath::kGemv: return "gemv";
+    case ExpertPath::kGemm: return "gemm";
+    case ExpertPath::kWgmma: return "wgmma";
+  }
+  return "unknown";
 }
 
-TEST(CudaMoe, DeepSeekV2LiteShapeRaggedLoads) {
-  REQUIRE_GPU();
-  std::mt19937 rng(10);
-  const Layer l = make_layer(64, 2048, 1408, rng);
-  // skew 0.93: expert 0 is ~80x as likely as expert 63; at small M many experts get nothing.
-  for (int64_t t : {1, 8, 33, 200, 1024, 2048})  // 2048: the wgmma row tile picked per forward
-    check_all_paths(l, t, 6, route(64, t, 6, 0.93, rng), 20 + static_cast<uint32_t>(t));
+// Every path at each M, the GEMV one up to 256 tokens (past that it is never chosen where the
+// GEMM can run).
+std::vector<PathCase> path_cases(std::initializer_list<int64_t> tokens) {
+  std::vector<PathCase> cases;
+  for (int64_t t : tokens)
+    for (ExpertPath p : {ExpertPath::kAuto, ExpertPath::kGemv, ExpertPath::kGemm, ExpertPath::kWgmma})
+      if (p != ExpertPath::kGemv || t <= 256) cases.push_back({t, p});
+  return cases;
 }
+
+void PrintTo(const PathCase& c, std::ostream* os) { *os << "M " << c.tokens << ", " << path_name(c.path); }
+
+std::string path_case_name(const ::testing::TestParamInfo<PathCase>& info) {
+  return "M" + std::to_string(info.param.tokens) + "_" + path_name(info.param.path);
+}
+
+// The case's path on the shared layer, skipped visibly where the shape or device cannot take it
+// (a skip inside this helper ends the test: nothing follows the call).
+void run_path_case(const Layer& l, const PathCase& c, int64_t k, double skew, uint32_t seed) {
+  if (!cuda::experts_support({l.w.num_local, l.w.hidden, l.w.inter, k}, c.path))
+    GTEST_SKIP() << "the shape does not take path " << path_name(c.path);
+  if (c.path == ExpertPath::kWgmma && !device_is_sm90())
+    GTEST_SKIP() << "the wgmma path needs compute capability 9.0";
+  std::mt19937 rng(seed + static_cast<uint32_t>(c.tokens));
+  const auto ids = route(l.w.num_local, c.tokens, k, skew, rng);
+  check_path(l, c.tokens, k, ids, c.path, rng);
+}
+
+using QwenShape = SharedLayerTest<128, 2048, 768, 9, PathCase>;
+TEST_P(QwenShape, FromDecodeToPrefill) {
+  REQUIRE_GPU();
+  run_path_case(layer(), GetParam(), 8, 1.0, 5u);
+}
+// 2048: mixed row tiles on the wgmma path.
+INSTANTIATE_TEST_SUITE_P(CudaMoe, QwenShape, ::testing::ValuesIn(path_cases({1, 8, 33, 200, 1024, 2048})),
+                         path_case_name);
+
+// skew 0.93: expert 0 is ~80x as likely as expert 63; at small M many experts get nothing.
+using DeepSeekV2LiteShape = SharedLayerTest<64, 2048, 1408, 10, PathCase>;
+TEST_P(DeepSeekV2LiteShape, RaggedLoads) {
+  REQUIRE_GPU();
+  run_path_case(layer(), GetParam(), 6, 0.93, 20u);
+}
+// 2048: the wgmma row tile picked per forward.
+INSTANTIATE_TEST_SUITE_P(CudaMoe, DeepSeekV2LiteShape,
+                         ::testing::ValuesIn(path_cases({1, 8, 33, 200, 1024, 2048})), path_case_name);
 
 TEST(CudaMoe, WideShapeOnlyTheGemmRuns) {
   REQUIRE_GPU();
@@ -357,18 +427,19 @@ void expect_wgmma_matches_gemm(const Layer& l, int64_t tokens, int64_t k, const 
 // The two grouped GEMMs on the same inputs (expect_wgmma_matches_gemm); checked
 // where each row tile size is taken (M = 200: 64 rows; M = 1024: 128 rows; M = 2048: 256 rows),
 // with the deepseek-v2-lite shape's 11 gate_up column tiles (22 at 256 rows) and 22 down k-steps.
-TEST(CudaMoe, WgmmaAgreesWithGemm) {
+using WgmmaAgreesWithGemm = SharedLayerTest<64, 2048, 1408, 14, int64_t>;
+TEST_P(WgmmaAgreesWithGemm, DeepSeekV2LiteShape) {
   REQUIRE_GPU();
   if (!device_is_sm90()) GTEST_SKIP() << "the wgmma path needs compute capability 9.0";
-  std::mt19937 rng(14);
-  const Layer l = make_layer(64, 2048, 1408, rng);
+  const int64_t t = GetParam();
   namespace hx = cuda::heuristics;
-  ASSERT_EQ(hx::wgmma_tile_m(200, 6, 64), 64);
-  ASSERT_EQ(hx::wgmma_tile_m(1024, 6, 64), 128);
-  ASSERT_EQ(hx::wgmma_tile_m(2048, 6, 64), 256);
-  for (int64_t t : {200, 1024, 2048})
-    expect_wgmma_matches_gemm(l, t, 6, route(64, t, 6, 0.97, rng), static_cast<uint32_t>(t), "M=" + std::to_string(t));
+  ASSERT_EQ(hx::wgmma_tile_m(t, 6, 64), t == 200 ? 64 : t == 1024 ? 128 : 256);
+  std::mt19937 rng(14 + static_cast<uint32_t>(t));
+  expect_wgmma_matches_gemm(layer(), t, 6, route(64, t, 6, 0.97, rng), static_cast<uint32_t>(t),
+                            "M=" + std::to_string(t));
 }
+INSTANTIATE_TEST_SUITE_P(CudaMoe, WgmmaAgreesWithGemm, ::testing::Values(200, 1024, 2048),
+                         [](const ::testing::TestParamInfo<int64_t>& i) { return "M" + std::to_string(i.param); });
 
 // Ids of `tokens` tokens of two slots each giving expert e load[e] rows: the i-th and
 // (i + tokens)-th of the expert-sorted slot list go to token i, distinct experts as long as no
@@ -460,24 +531,26 @@ TEST(CudaMoe, WgmmaMixedRowTiles) {
   expect_loads_match_gemm(l, tokens, loads, 8);
 }
 
-// Both paths on the same inputs: two roundings of bf16 intermediates apart, not identical.
-TEST(CudaMoe, PathsAgree) {
+// The GEMV and GEMM paths on the same inputs: two roundings of bf16 intermediates apart, not
+// identical.
+using PathsAgree = SharedLayerTest<128, 2048, 768, 13, int64_t>;
+TEST_P(PathsAgree, GemvAndGemmOnTheQwenShape) {
   REQUIRE_GPU();
-  std::mt19937 rng(13);
-  const Layer l = make_layer(128, 2048, 768, rng);
-  for (int64_t t : {33, 200}) {
-    const auto ids = route(128, t, 8, 1.0, rng);
-    std::mt19937 a(t), b(t);  // the same x and weights for both runs
-    const GpuRun gemv = run(l, t, 8, ids, ExpertPath::kGemv, a);
-    const GpuRun gemm = run(l, t, 8, ids, ExpertPath::kGemm, b);
-    double num = 0, den = 0;
-    for (size_t i = 0; i < gemv.y.size(); ++i) {
-      num += (gemm.y[i] - gemv.y[i]) * double(gemm.y[i] - gemv.y[i]);
-      den += double(gemv.y[i]) * gemv.y[i];
-    }
-    EXPECT_LE(std::sqrt(num / den), kBound) << "M=" << t;
+  const int64_t t = GetParam();
+  std::mt19937 rng(13 + static_cast<uint32_t>(t));
+  const auto ids = route(128, t, 8, 1.0, rng);
+  std::mt19937 a(static_cast<uint32_t>(t)), b(static_cast<uint32_t>(t));  // the same x and weights
+  const GpuRun gemv = run(layer(), t, 8, ids, ExpertPath::kGemv, a);
+  const GpuRun gemm = run(layer(), t, 8, ids, ExpertPath::kGemm, b);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < gemv.y.size(); ++i) {
+    num += (gemm.y[i] - gemv.y[i]) * double(gemm.y[i] - gemv.y[i]);
+    den += double(gemv.y[i]) * gemv.y[i];
   }
+  EXPECT_LE(std::sqrt(num / den), kBound) << "M=" << t;
 }
+INSTANTIATE_TEST_SUITE_P(CudaMoe, PathsAgree, ::testing::Values(33, 200),
+                         [](const ::testing::TestParamInfo<int64_t>& i) { return "M" + std::to_string(i.param); });
 
 // The GEMV path's two forms: up to 24 routed slots the warps read the ids themselves (qwen3
 // M <= 3, deepseek-v2-lite M <= 4), past that the plan kernel and v2's grouped kernels.

@@ -361,34 +361,38 @@ TEST(CudaSample, TemperatureZeroAndTopKOneAreGreedy) {
     EXPECT_EQ(got[static_cast<size_t>(r)], host_argmax(x.data() + static_cast<size_t>(r) * vocab, vocab)) << r;
 }
 
-TEST(CudaSample, DrawsStayInsideTheTopKTopPSet) {
+// One vocabulary size a case (one test each, so that a sanitizer can take them one at a time).
+class CudaSampleVocab : public ::testing::TestWithParam<int> {};
+
+TEST_P(CudaSampleVocab, DrawsStayInsideTheTopKTopPSet) {
   REQUIRE_GPU();
-  std::mt19937 rng(9);
-  for (int vocab : {7, 1000, 32000, 151936}) {
-    const int rows = 48;
-    std::vector<float> x(static_cast<size_t>(rows) * vocab);
-    std::normal_distribution<float> d(0.0f, 3.0f);
-    for (int r = 0; r < rows; ++r)
-      for (int i = 0; i < vocab; ++i)  // every third row from a few values: ties at the cuts
-        x[static_cast<size_t>(r) * vocab + i] =
-            r % 3 == 0 ? static_cast<float>(static_cast<int>(rng() % 6)) : d(rng);
-    const float temps[] = {1.0f, 0.7f, 1.5f, 0.3f};
-    const int ks[] = {0, 2, 5, 50, 1000};
-    const float ps[] = {1.0f, 0.9f, 0.5f, 0.99f, 0.05f};
-    std::vector<Draw> draws;
-    for (int r = 0; r < rows; ++r)
-      draws.push_back({temps[r % 4], ks[r % 5], ps[(r / 5) % 5], 1234u + static_cast<uint64_t>(r), r});
-    const auto got = sample(x, vocab, draws);
-    for (int r = 0; r < rows; ++r) {
-      const Draw& w = draws[static_cast<size_t>(r)];
-      const auto set = allowed_set(x.data() + static_cast<size_t>(r) * vocab, vocab, w.temperature, w.top_k,
-                                   w.top_p, 1e-6);
-      EXPECT_NE(std::find(set.begin(), set.end(), got[static_cast<size_t>(r)]), set.end())
-          << "vocab " << vocab << " row " << r << " T " << w.temperature << " k " << w.top_k << " p "
-          << w.top_p << ": token " << got[static_cast<size_t>(r)] << " outside a set of " << set.size();
-    }
+  const int vocab = GetParam();
+  std::mt19937 rng(9 + static_cast<uint32_t>(vocab));
+  const int rows = 48;
+  std::vector<float> x(static_cast<size_t>(rows) * vocab);
+  std::normal_distribution<float> d(0.0f, 3.0f);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < vocab; ++i)  // every third row from a few values: ties at the cuts
+      x[static_cast<size_t>(r) * vocab + i] =
+          r % 3 == 0 ? static_cast<float>(static_cast<int>(rng() % 6)) : d(rng);
+  const float temps[] = {1.0f, 0.7f, 1.5f, 0.3f};
+  const int ks[] = {0, 2, 5, 50, 1000};
+  const float ps[] = {1.0f, 0.9f, 0.5f, 0.99f, 0.05f};
+  std::vector<Draw> draws;
+  for (int r = 0; r < rows; ++r)
+    draws.push_back({temps[r % 4], ks[r % 5], ps[(r / 5) % 5], 1234u + static_cast<uint64_t>(r), r});
+  const auto got = sample(x, vocab, draws);
+  for (int r = 0; r < rows; ++r) {
+    const Draw& w = draws[static_cast<size_t>(r)];
+    const auto set = allowed_set(x.data() + static_cast<size_t>(r) * vocab, vocab, w.temperature, w.top_k,
+                                 w.top_p, 1e-6);
+    EXPECT_NE(std::find(set.begin(), set.end(), got[static_cast<size_t>(r)]), set.end())
+        << "vocab " << vocab << " row " << r << " T " << w.temperature << " k " << w.top_k << " p "
+        << w.top_p << ": token " << got[static_cast<size_t>(r)] << " outside a set of " << set.size();
   }
 }
+INSTANTIATE_TEST_SUITE_P(CudaSample, CudaSampleVocab, ::testing::Values(7, 1000, 32000, 151936),
+                         [](const ::testing::TestParamInfo<int>& i) { return "V" + std::to_string(i.param); });
 
 // 4000 draws from fixed seeds: each frequency within 5 standard errors (sqrt(p (1 - p) / N)) of
 // its probability, a failure chance of about 6e-7 per token were the draws independent; tokens
@@ -425,15 +429,35 @@ void check_frequencies(const std::vector<float>& row, float temperature, int top
   }
 }
 
-TEST(CudaSample, FrequenciesMatchTheDistribution) {
+// One setting a case: temperature, top-k, top-p, and whether the draws differ by step or by seed.
+struct FrequencyCase {
+  float temperature;
+  int top_k;
+  float top_p;
+  bool vary_step;
+  const char* name;
+};
+
+void PrintTo(const FrequencyCase& c, std::ostream* os) {
+  *os << "T " << c.temperature << ", k " << c.top_k << ", p " << c.top_p << (c.vary_step ? ", by step" : ", by seed");
+}
+
+class CudaSampleFrequencies : public ::testing::TestWithParam<FrequencyCase> {};
+
+TEST_P(CudaSampleFrequencies, MatchTheDistribution) {
   REQUIRE_GPU();
   const std::vector<float> row = {1.0f, 2.0f, 0.5f, 2.0f, -1.0f, 0.0f, 1.5f, -3.0f};
-  check_frequencies(row, 1.0f, 0, 1.0f, false);
-  check_frequencies(row, 0.7f, 0, 1.0f, true);
-  check_frequencies(row, 1.0f, 5, 1.0f, false);   // the tie at 2.0 sits inside the five
-  check_frequencies(row, 1.0f, 0, 0.8f, true);    // cut inside the set
-  check_frequencies(row, 2.0f, 4, 0.6f, false);
+  const FrequencyCase& c = GetParam();
+  check_frequencies(row, c.temperature, c.top_k, c.top_p, c.vary_step);
 }
+INSTANTIATE_TEST_SUITE_P(CudaSample, CudaSampleFrequencies,
+                         ::testing::Values(FrequencyCase{1.0f, 0, 1.0f, false, "plain"},
+                                           FrequencyCase{0.7f, 0, 1.0f, true, "temperature"},
+                                           // the tie at 2.0 sits inside the five
+                                           FrequencyCase{1.0f, 5, 1.0f, false, "top_k"},
+                                           FrequencyCase{1.0f, 0, 0.8f, true, "top_p"},  // cut inside the set
+                                           FrequencyCase{2.0f, 4, 0.6f, false, "all_three"}),
+                         [](const ::testing::TestParamInfo<FrequencyCase>& i) { return std::string(i.param.name); });
 
 TEST(CudaSample, SameSeedAndStepReplay) {
   REQUIRE_GPU();
