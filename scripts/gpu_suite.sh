@@ -18,8 +18,9 @@
 # Measured on one H100: sanitizer processes share the GPU by time slices, and more of them at once
 # is slower, not faster: with 16 or 26 at a time most of the large expert cases did not finish
 # racecheck in 545 s; with 4 at a time each took 68-223 s. memcheck over the 124 op tests took
-# ~70 s with SANITIZE_JOBS=16 (its processes are light). racecheck over all of them does not fit
-# one 10-minute command: run it as shards, e.g. SANITIZE_SHARD=0/4 .. 3/4, one command each.
+# ~70 s with SANITIZE_JOBS=16 (its processes are light). racecheck over all of them takes well
+# over 10 minutes (the nine largest cases alone took 486 s, 4 at a time): where runs are limited,
+# split it into shards, e.g. SANITIZE_SHARD=0/4 .. 3/4, one run each.
 #
 # The binaries may be built on another machine (the GPU machine needs only the CUDA driver and
 # libcublasLt): the tests find their fixtures through the source path compiled into them, so run
