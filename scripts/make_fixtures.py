@@ -108,7 +108,55 @@ FIXTURES = {
         SMALL, num_hidden_layers=2, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
         norm_topk_prob=False, rope_theta=10000.0, tie_word_embeddings=False),
         torch.float32, {}),
+    # --- scaled rotary embeddings: a short original context (16) so that the long input below
+    # reaches well past it; the names say which spelling config.json ends up with ---
+    "qwen3_moe_yarn_f32": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        SMALL, max_position_embeddings=64, num_hidden_layers=2, head_dim=32, intermediate_size=96,
+        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=16)), torch.float32, {}),
+    "deepseek_v2_yarn_legacy_f32": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
+        SMALL, max_position_embeddings=128, num_key_value_heads=4, num_hidden_layers=2,
+        intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2,
+        num_experts_per_tok=2, first_k_dense_replace=1, moe_layer_freq=1, kv_lora_rank=32,
+        q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+        topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        norm_topk_prob=False, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0,
+                             original_max_position_embeddings=16, beta_fast=4.0, beta_slow=0.5,
+                             mscale=0.707, mscale_all_dim=0.707)), torch.float32, {}),
+    "deepseek_v3_yarn_mtp_legacy_bf16": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        SMALL, max_position_embeddings=640, num_key_value_heads=4, num_hidden_layers=3,
+        intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16, n_shared_experts=1,
+        num_experts_per_tok=4, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
+        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
+        num_nextn_predict_layers=1,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
+                             original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
+                             mscale=0.9, mscale_all_dim=1.0)), torch.bfloat16, {}),
+    "mixtral_llama3_f32": ("MixtralForCausalLM", "MixtralConfig", dict(
+        SMALL, max_position_embeddings=128, num_hidden_layers=2, intermediate_size=48,
+        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=16)),
+        torch.float32, {}),
+    "qwen3_dense_linear_f32": ("Qwen3ForCausalLM", "Qwen3Config", dict(
+        SMALL, num_hidden_layers=2, head_dim=16, intermediate_size=128, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)), torch.float32, {}),
 }
+
+# Fixtures whose config.json is rewritten after saving into the spelling of the Hub's
+# checkpoints (top-level rope_theta, `rope_scaling` with "type"), and whose references are then
+# computed by the model transformers loads back from that directory.
+LEGACY_ROPE = {"deepseek_v2_yarn_legacy_f32", "deepseek_v3_yarn_mtp_legacy_bf16"}
+# Fixtures that also get DeepSeek's multi-token-prediction layer, stored as the real checkpoints
+# store it: model.layers.<num_hidden_layers>.* in a shard of its own, listed by the index.
+WITH_MTP = {"deepseek_v3_yarn_mtp_legacy_bf16"}
+# Fixtures that also run one long input, to reach positions past the original context.
+LONG_INPUT = {"qwen3_moe_yarn_f32", "deepseek_v2_yarn_legacy_f32", "deepseek_v3_yarn_mtp_legacy_bf16",
+              "mixtral_llama3_f32", "qwen3_dense_linear_f32"}
 
 # The bundled demo checkpoint: the real Qwen3 vocabulary so that the real tokenizer drives it,
 # everything else tiny. Written to models/ by --demo.
@@ -121,6 +169,7 @@ DEMO = ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
 
 INPUTS = [[3, 17, 42, 7, 99], [1], [5, 250, 11, 11, 11, 64, 300, 2, 81, 190, 33, 47, 120, 8,
                                     260, 14, 77, 91, 222, 6, 150, 38, 201, 3]]
+LONG = [(37 * i * i + 11 * i + 5) % 383 for i in range(48)]
 GREEDY_STEPS = 8
 
 
@@ -144,7 +193,56 @@ def compact(values):
     return [float(f"{v:.7g}") for v in values]
 
 
-def build(spec, seed, out_dir, full_logits=True):
+def rewrite_rope_legacy(out_dir):
+    """config.json as the Hub's DeepSeek checkpoints spell it: rope_theta at the top level and a
+    `rope_scaling` object whose type key is "type"."""
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    params = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = params.pop("rope_theta")
+    params["type"] = params.pop("rope_type")
+    cfg["rope_scaling"] = params
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+def add_mtp_layer(model, out_dir):
+    """Appends the multi-token-prediction layer's tensors as DeepSeek-V3's checkpoint holds
+    them: a whole decoder layer (a copy of the last one's shapes) plus embed_tokens, enorm,
+    hnorm, eh_proj and shared_head, under model.layers.<num_hidden_layers>., in a second shard."""
+    from safetensors.torch import load_file, save_file
+    n = model.config.num_hidden_layers
+    single = os.path.join(out_dir, "model.safetensors")
+    main = load_file(single)
+    os.remove(single)
+    gen = torch.Generator().manual_seed(1234)
+    last = f"model.layers.{n - 1}."
+    mtp = {}
+    for name, t in main.items():
+        if name.startswith(last):
+            mtp[f"model.layers.{n}." + name[len(last):]] = (0.08 * torch.randn(t.shape, generator=gen)).to(t.dtype)
+    h, v = model.config.hidden_size, model.config.vocab_size
+    dtype = next(iter(main.values())).dtype
+    extra = {"embed_tokens.weight": (v, h), "enorm.weight": (h,), "hnorm.weight": (h,),
+             "eh_proj.weight": (h, 2 * h), "shared_head.norm.weight": (h,), "shared_head.head.weight": (v, h)}
+    for name, shape in extra.items():
+        mtp[f"model.layers.{n}.{name}"] = (0.08 * torch.randn(shape, generator=gen)).to(dtype)
+    shards = {"model-00001-of-00002.safetensors": main, "model-00002-of-00002.safetensors": mtp}
+    weight_map, total = {}, 0
+    for file, tensors in shards.items():
+        save_file({k: t.contiguous() for k, t in tensors.items()}, os.path.join(out_dir, file),
+                  metadata={"format": "pt"})
+        for k, t in tensors.items():
+            weight_map[k] = file
+            total += t.numel() * t.element_size()
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f,
+                  indent=2)
+    print(f"  mtp layer: {len(mtp)} tensors under model.layers.{n}.")
+
+
+def build(spec, seed, out_dir, full_logits=True, name=""):
     arch, config_cls, kwargs, dtype, save_kwargs = spec
     config = getattr(transformers, config_cls)(**kwargs)
     config._attn_implementation = "eager"
@@ -158,12 +256,32 @@ def build(spec, seed, out_dir, full_logits=True):
         for t in stored:
             t.copy_(t.to(dtype).to(torch.float32))
     model = model.float()
+    os.makedirs(out_dir, exist_ok=True)
+    if name in LEGACY_ROPE or name in WITH_MTP:
+        # Save first, rewrite as the Hub's checkpoints look, and take the references from what
+        # transformers loads back: that is what a user of the real checkpoint gets.
+        model.to(dtype).save_pretrained(out_dir, **save_kwargs)
+        if name in LEGACY_ROPE:
+            rewrite_rope_legacy(out_dir)
+        if name in WITH_MTP:
+            add_mtp_layer(model, out_dir)
+        reloaded = getattr(transformers, arch).from_pretrained(
+            out_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        probe = torch.tensor([LONG])
+        with torch.no_grad():
+            diff = (reloaded(probe).logits - model.float()(probe).logits).abs().max().item()
+        print(f"  reloaded from the rewritten directory: max |logit diff| vs the written model {diff:.3g}")
+        model = reloaded
+        saved = True
+    else:
+        saved = False
     refs = {"inputs": [], "logits": [], "greedy": [], "dtype": str(dtype).split(".")[-1],
             "transformers": transformers.__version__, "torch": torch.__version__,
             "architecture": arch}
     margins = []
+    inputs = INPUTS + ([LONG] if name in LONG_INPUT else [])
     with torch.no_grad():
-        for ids in INPUTS:
+        for ids in inputs:
             ids = [i % config.vocab_size for i in ids]
             logits = model(torch.tensor([ids])).logits[0].float()
             refs["inputs"].append(ids)
@@ -178,8 +296,8 @@ def build(spec, seed, out_dir, full_logits=True):
             refs["greedy"].append(seq[len(ids):])
     refs["min_top2_margin"] = min(margins)
     refs["logits_rows"] = "all" if full_logits else "last"
-    os.makedirs(out_dir, exist_ok=True)
-    model.to(dtype).save_pretrained(out_dir, **save_kwargs)
+    if not saved:
+        model.to(dtype).save_pretrained(out_dir, **save_kwargs)
     with open(os.path.join(out_dir, "reference.json"), "w") as f:
         json.dump(refs, f)
     from safetensors import safe_open
@@ -202,7 +320,7 @@ def main():
     for name in names:
         try:
             # The seed depends on the name only, so --only regenerates a fixture identically.
-            build(FIXTURES[name], zlib.crc32(name.encode()), os.path.join(args.out, name))
+            build(FIXTURES[name], zlib.crc32(name.encode()), os.path.join(args.out, name), name=name)
         except Exception:
             traceback.print_exc()
             failed.append(name)

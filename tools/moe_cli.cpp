@@ -327,6 +327,12 @@ int run_info(const Common& c) {
                 (long long)mc.mla.v_head_dim);
   if (mc.num_layers > sparse)
     std::printf("dense intermediate: %lld\n", (long long)mc.intermediate_size);
+  std::printf("rope: %s%s\n", describe_rope(mc.rope_scaling, mc.rope_theta).c_str(),
+              mc.softmax_scale_factor != 1.0f ? fmt::format(", softmax scale x{:.4g}", mc.softmax_scale_factor).c_str()
+                                              : "");
+  if (mc.num_nextn_predict_layers > 0)
+    std::printf("multi-token prediction: %lld layer(s) after the decoder, skipped at load (not used)\n",
+                (long long)mc.num_nextn_predict_layers);
   const int64_t params = parameter_count(mc);
   if (ckpt) {
     std::printf("parameters: %lld in the checkpoint (%.3f B), %lld implied by the config\n",

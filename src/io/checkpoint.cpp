@@ -223,6 +223,17 @@ Tensor WeightLoader::take_if_present(const std::string& name, const std::vector<
   return take(name, shape);
 }
 
+int64_t WeightLoader::ignore_prefix(const std::string& prefix) {
+  if (!ckpt_) return 0;
+  int64_t n = 0;
+  for (const auto& name : ckpt_->names())
+    if (name.starts_with(prefix)) {
+      taken_.insert(name);
+      ++n;
+    }
+  return n;
+}
+
 void WeightLoader::finish() {
   if (!strict_ || !ckpt_) return;
   std::vector<std::string> unused;

@@ -81,6 +81,9 @@ class WeightLoader {
   Tensor take_if_present(const std::string& name, const std::vector<int64_t>& shape);
   // Marks a tensor as deliberately unused (e.g. an lm_head tied to the embedding).
   void ignore(const std::string& name) { taken_.insert(name); }
+  // Marks every checkpoint tensor whose name starts with `prefix` as deliberately unused and
+  // returns how many there were (0 without a checkpoint).
+  int64_t ignore_prefix(const std::string& prefix);
   // In strict mode, throws kShape naming the tensors that were never taken.
   void finish();
 

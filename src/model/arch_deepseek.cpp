@@ -33,12 +33,25 @@ void parse_deepseek_common(const HfConfig& cfg, ModelConfig& mc) {
   MOE_CHECK(freq >= 1, kConfig, "{}: moe_layer_freq must be >= 1, got {}", cfg.origin(), freq);
   for (int64_t i = 0; i < mc.num_layers; ++i)
     mc.moe_layers.push_back(mc.moe.num_experts > 0 && i >= first_dense && i % freq == 0);
+  // With YaRN, DeepSeek's attention scales its softmax by m^2 as well (transformers and the
+  // reference code agree; V2-Lite's mscale_all_dim 0.707 makes it 1.59 at factor 40).
+  mc.softmax_scale_factor = static_cast<float>(yarn_softmax_mscale_squared(mc.rope_scaling));
+  mc.num_nextn_predict_layers = cfg.get_or<int64_t>({"num_nextn_predict_layers"}, 0);
+  MOE_CHECK(mc.num_nextn_predict_layers >= 0, kConfig, "{}: num_nextn_predict_layers must be >= 0, got {}",
+            cfg.origin(), mc.num_nextn_predict_layers);
+}
+
+void check_scoring(const HfConfig& cfg, const char* expected) {
+  const std::string scoring = cfg.get_or<std::string>({"scoring_func"}, expected);
+  MOE_CHECK(scoring == expected, kUnsupported, "{}: scoring_func '{}' is not supported for this architecture ({})",
+            cfg.origin(), scoring, expected);
 }
 
 }  // namespace
 
 void parse_deepseek_v2(const HfConfig& cfg, ModelConfig& mc) {
   parse_deepseek_common(cfg, mc);
+  check_scoring(cfg, "softmax");
   RouterConfig& r = mc.moe.router;
   r = softmax_router(mc.moe.num_experts, mc.moe.top_k, /*renormalize=*/false);
   r.scaling = cfg.get_or<float>({"routed_scaling_factor"}, 1.0f);
@@ -56,6 +69,7 @@ void parse_deepseek_v2(const HfConfig& cfg, ModelConfig& mc) {
 
 void parse_deepseek_v3(const HfConfig& cfg, ModelConfig& mc) {
   parse_deepseek_common(cfg, mc);
+  check_scoring(cfg, "sigmoid");
   MOE_CHECK(cfg.get_or<bool>({"rope_interleave"}, true), kUnsupported,
             "{}: rope_interleave false is not supported", cfg.origin());
   std::string method = cfg.get_or<std::string>({"topk_method"}, "noaux_tc");

@@ -23,6 +23,8 @@ int64_t ModelConfig::kv_value_width() const {
   return attention == AttentionKind::kMla ? 0 : num_kv_heads * head_dim;
 }
 
+RopeTable ModelConfig::rope() const { return rope_table(rope_scaling, rope_theta, head_dim); }
+
 void parse_decoder_common(const HfConfig& cfg, ModelConfig& mc) {
   mc.vocab_size = cfg.get<int64_t>({"vocab_size"});
   mc.hidden_size = cfg.get<int64_t>({"hidden_size", "d_model", "n_embd"});
@@ -36,13 +38,26 @@ void parse_decoder_common(const HfConfig& cfg, ModelConfig& mc) {
   mc.rope_theta = cfg.get_or<float>({"rope_theta", "rope_parameters.rope_theta"}, 10000.0f);
   mc.tie_word_embeddings = cfg.get_or<bool>({"tie_word_embeddings"}, false);
   mc.qkv_bias = mc.o_bias = cfg.get_or<bool>({"attention_bias"}, false);
-  // Only plain rotary embeddings exist so far; refuse scaled variants rather than run them wrong.
-  std::string rope_type =
-      cfg.get_or<std::string>({"rope_parameters.rope_type", "rope_scaling.rope_type",
-                               "rope_scaling.type"},
-                              "default");
-  MOE_CHECK(rope_type == "default", kUnsupported,
-            "{}: rope type '{}' is not supported yet (only 'default')", cfg.origin(), rope_type);
+  mc.rope_scaling = parse_rope_scaling(cfg, mc.max_position_embeddings);
+  // YaRN stretches the original context by its factor; where config.json keeps the original
+  // length (Qwen3's recipe adds rope_scaling to a 40,960-position config), the stretched one is
+  // the model's context, as vLLM reads it.
+  if (mc.rope_scaling.type == RopeType::kYarn) {
+    const double stretched = static_cast<double>(mc.rope_scaling.original_max_position) * mc.rope_scaling.factor;
+    if (stretched > static_cast<double>(mc.max_position_embeddings) && stretched < 1e12)
+      mc.max_position_embeddings = static_cast<int64_t>(stretched);
+  }
+  const double partial = cfg.get_or<double>({"partial_rotary_factor"}, 1.0);
+  MOE_CHECK(partial == 1.0, kUnsupported, "{}: partial_rotary_factor {} is not supported (only 1)", cfg.origin(),
+            partial);
+  // Not implemented, so refused rather than ignored: the weights would be read wrongly.
+  if (const auto* q = cfg.find({"quantization_config"})) {
+    const auto method = q->is_object() && q->contains("quant_method") ? q->at("quant_method").dump() : q->dump();
+    MOE_THROW(kUnsupported,
+              "{}: quantization_config (quant_method {}) is not supported yet: the engine loads F32, BF16 "
+              "and F16 weights only",
+              cfg.origin(), method);
+  }
   std::string act = cfg.get_or<std::string>({"hidden_act", "hidden_activation"}, "silu");
   MOE_CHECK(act == "silu", kUnsupported, "{}: hidden_act '{}' is not supported (only 'silu')",
             cfg.origin(), act);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "io/hf_config.h"
+#include "model/rope.h"
 #include "moe/router.h"
 
 namespace moe {
@@ -61,7 +62,10 @@ struct ModelConfig {
   int64_t max_position_embeddings = 0;
   float rms_norm_eps = 1e-6f;
   float rope_theta = 10000.0f;
+  RopeScaling rope_scaling;  // YaRN, llama3, linear (rope_scaling / rope_parameters)
   RopeStyle rope_style = RopeStyle::kHalf;
+  // Multiplies the softmax scale 1 / sqrt(qk head dim): DeepSeek's YaRN m^2 (rope.h), else 1.
+  float softmax_scale_factor = 1.0f;
   AttentionKind attention = AttentionKind::kGqa;
   MlaConfig mla;
   QkNorm qk_norm = QkNorm::kNone;
@@ -73,12 +77,17 @@ struct ModelConfig {
   std::vector<bool> moe_layers;  // per layer: sparse MoE block (true) or dense MLP
   std::vector<int32_t> eos_token_ids;
   int32_t bos_token_id = -1;
+  // DeepSeek's multi-token-prediction layers (num_nextn_predict_layers): stored after the
+  // decoder as model.layers.<num_layers + i>; their tensors are skipped at load.
+  int64_t num_nextn_predict_layers = 0;
 
   int64_t num_moe_layers() const;
   // Floats one token keeps in the KV cache per layer (keys, values). MLA keeps the compressed
   // latent and the rotary key part only.
   int64_t kv_key_width() const;
   int64_t kv_value_width() const;
+  // The rotary table of this model's rotating width (head_dim; qk_rope_head_dim for MLA).
+  RopeTable rope() const;
 };
 
 // Reads <dir>/config.json (and generation_config.json for stop tokens when present), picks the

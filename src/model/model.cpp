@@ -88,18 +88,14 @@ std::unique_ptr<Model> Model::load(const std::string& dir, const LoadOptions& op
     model->weights_ = load_weights(mc, loader, all);
     loader.finish();
     if (draw) std::fprintf(stderr, "\n");
+    if (!opts.comm || opts.comm->rank() == 0) note_skipped_mtp(mc, model->weights_);
   }
   if (model->placement_)
     model->local_of_ = model->placement_->global_to_local();
   else
     for (int64_t e = 0; e < mc.moe.num_experts; ++e) model->local_of_.push_back(static_cast<int32_t>(e));
 
-  const int64_t hd = mc.head_dim;  // the rotary width (qk_rope_head_dim for MLA)
-  for (int64_t i = 0; i < hd / 2; ++i) {
-    // As transformers computes it: in f32, base ** (2i / d), then the reciprocal.
-    float exponent = static_cast<float>(2 * i) / static_cast<float>(hd);
-    model->inv_freq_.push_back(1.0f / std::pow(mc.rope_theta, exponent));
-  }
+  model->rope_ = mc.rope();  // over head_dim, the rotary width (qk_rope_head_dim for MLA)
   model->expert_tokens_.assign(static_cast<size_t>(mc.num_layers), {});
   for (int64_t l = 0; l < mc.num_layers; ++l)
     if (mc.moe_layers[static_cast<size_t>(l)])
@@ -141,8 +137,9 @@ void Model::attention(int64_t layer, const Tensor& h, const std::vector<int32_t>
         x->data<float>()[i] = std::clamp(x->data<float>()[i], -c.clip_qkv, c.clip_qkv);
   }
   auto rope = c.rope_style == RopeStyle::kHalf ? cpu::rope_half : cpu::rope_interleaved;
-  rope(q.data<float>(), t, c.num_heads, hd, hd, positions.data(), inv_freq_.data());
-  rope(k.data<float>(), t, c.num_kv_heads, hd, hd, positions.data(), inv_freq_.data());
+  const float* inv_freq = rope_.inv_freq.data();
+  rope(q.data<float>(), t, c.num_heads, hd, hd, positions.data(), inv_freq, rope_.cos_sin_scale);
+  rope(k.data<float>(), t, c.num_kv_heads, hd, hd, positions.data(), inv_freq, rope_.cos_sin_scale);
   const int64_t width = c.num_kv_heads * hd;
   Tensor attn = Tensor::empty(workspace_, {t, c.num_heads * hd});
   std::vector<const float*> k_blocks, v_blocks;
@@ -194,7 +191,7 @@ void Model::latent_attention(int64_t layer, const Tensor& h, const std::vector<i
   // Rotate the last rope_dim features of every head: view q as [t * heads, qk] rows.
   for (int64_t i = 0; i < t; ++i)
     cpu::rope_interleaved(q.data<float>() + i * heads * qk + nope, 1, heads, qk, rope_dim,
-                          &positions[static_cast<size_t>(i)], inv_freq_.data());
+                          &positions[static_cast<size_t>(i)], rope_.inv_freq.data(), rope_.cos_sin_scale);
   Tensor kv = Tensor::empty(workspace_, {t, row});
   ops::linear(pool_, h, w.kv_a, nullptr, kv);
   Tensor attn = Tensor::empty(workspace_, {t, heads * vd});
@@ -206,8 +203,8 @@ void Model::latent_attention(int64_t layer, const Tensor& h, const std::vector<i
       const float* src = kv.data<float>() + (seg.begin + i) * row;
       cpu::rms_norm(pool_, src, w.kv_a_norm.data<float>(), dst, 1, lora, kLatentNormEps);
       std::memcpy(dst + lora, src + lora, static_cast<size_t>(rope_dim) * 4);
-      cpu::rope_interleaved(dst + lora, 1, 1, rope_dim, rope_dim,
-                            &positions[static_cast<size_t>(seg.begin + i)], inv_freq_.data());
+      cpu::rope_interleaved(dst + lora, 1, 1, rope_dim, rope_dim, &positions[static_cast<size_t>(seg.begin + i)],
+                            rope_.inv_freq.data(), rope_.cos_sin_scale);
     }
     // Expand the whole context's latents into per-head keys and values.
     Tensor latents = Tensor::empty(workspace_, {ctx, lora});
@@ -227,7 +224,8 @@ void Model::latent_attention(int64_t layer, const Tensor& h, const std::vector<i
       }
     cpu::attention(pool_, q.data<float>() + seg.begin * heads * qk, keys.data<float>(),
                    values.data<float>(), attn.data<float>() + seg.begin * heads * vd, n, ctx, heads,
-                   heads, qk, vd, heads * qk, heads * vd, 1.0f / std::sqrt(static_cast<float>(qk)));
+                   heads, qk, vd, heads * qk, heads * vd,
+                   c.softmax_scale_factor / std::sqrt(static_cast<float>(qk)));
   }
   ops::linear(pool_, attn, w.o, nullptr, out);
 }

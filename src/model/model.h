@@ -108,7 +108,7 @@ class Model {
   std::unique_ptr<EpBackend> ep_;
   EpStats ep_stats_;
   ExpertPlan plan_;
-  std::vector<float> inv_freq_;
+  RopeTable rope_;
   std::vector<std::vector<int64_t>> expert_tokens_;
 };
 

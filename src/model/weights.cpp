@@ -1,5 +1,7 @@
 #include "model/weights.h"
 
+#include <cstdio>
+
 #include <fmt/format.h>
 
 namespace moe {
@@ -124,7 +126,21 @@ ModelWeights load_weights(const ModelConfig& mc, WeightLoader& loader, const Exp
   } else {
     w.lm_head = loader.take("lm_head.weight", {mc.vocab_size, h});
   }
+  for (int64_t i = 0; i < mc.num_nextn_predict_layers; ++i)
+    w.skipped_mtp_tensors += loader.ignore_prefix(fmt::format("model.layers.{}.", mc.num_layers + i));
   return w;
+}
+
+void note_skipped_mtp(const ModelConfig& mc, const ModelWeights& w) {
+  if (w.skipped_mtp_tensors == 0) return;
+  const std::string layers = mc.num_nextn_predict_layers == 1
+                                 ? fmt::format("model.layers.{}", mc.num_layers)
+                                 : fmt::format("model.layers.{}-{}", mc.num_layers,
+                                               mc.num_layers + mc.num_nextn_predict_layers - 1);
+  std::fprintf(stderr, "note: skipped %lld tensors of the multi-token-prediction layer %s "
+               "(num_nextn_predict_layers %lld): not used for decoding\n",
+               static_cast<long long>(w.skipped_mtp_tensors), layers.c_str(),
+               static_cast<long long>(mc.num_nextn_predict_layers));
 }
 
 }  // namespace moe

@@ -50,6 +50,7 @@ struct ModelWeights {
   Tensor lm_head;  // [vocab, hidden]; aliases embed when tied
   Tensor final_norm;
   std::vector<LayerWeights> layers;
+  int64_t skipped_mtp_tensors = 0;  // tensors of the multi-token-prediction layers, present and unused
 };
 
 // Which routed experts this rank loads: global_to_local[e] >= 0 for the held ones, in
@@ -64,7 +65,13 @@ struct ExpertSelection {
 // Reads every tensor the config implies, by Hugging Face name, through `loader`. With a
 // recording loader (WeightLoader::recording) nothing is read or allocated and the loader ends up
 // holding the list of tensor names and shapes.
+// The tensors of DeepSeek's multi-token-prediction layers (model.layers.<num_layers + i>) are
+// skipped: strict loading stays strict for every other name.
 ModelWeights load_weights(const ModelConfig& mc, WeightLoader& loader,
                           const ExpertSelection& experts = {});
+
+// The one line on stderr saying that the multi-token-prediction tensors were skipped (nothing
+// when there were none).
+void note_skipped_mtp(const ModelConfig& mc, const ModelWeights& w);
 
 }  // namespace moe

@@ -33,7 +33,8 @@ std::unique_ptr<cuda::Engine> load(const std::string& dir, bool graphs = true, i
   cuda::EngineOptions o;
   o.record_routing = true;
   o.max_batch = max_batch;
-  o.max_context = 128;
+  // 128, or the model's own context where it is shorter (the YaRN fixture's is 64).
+  o.max_context = std::min<int64_t>(128, load_model_config(dir).max_position_embeddings);
   o.graphs = graphs;
   return cuda::Engine::load(dir, o);
 }
@@ -246,7 +247,9 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, CudaFixtureTest,
                                            "mixtral_f16_sharded", "mixtral_bf16", "qwen2_moe_f32",
                                            "olmoe_f32", "tiny_qwen3_moe", "deepseek_v2_f32",
                                            "deepseek_v2_grouped_f32", "deepseek_v3_f32",
-                                           "deepseek_v3_g8_f32", "deepseek_v3_bf16"));
+                                           "deepseek_v3_g8_f32", "deepseek_v3_bf16", "qwen3_moe_yarn_f32",
+                                           "deepseek_v2_yarn_legacy_f32", "deepseek_v3_yarn_mtp_legacy_bf16",
+                                           "mixtral_llama3_f32", "qwen3_dense_linear_f32"));
 
 // Real widths (head_dim 64, 64 experts of 384, vocab 151936): the GPU engine and the CPU engine
 // hold the same random weights (the device draws the loader's stream) and must agree.

@@ -39,7 +39,7 @@ std::unique_ptr<cuda::Engine> load(const std::string& dir, int tp, int ep, bool 
   o.fuse = fuse;
   o.record_routing = true;
   o.max_batch = 4;
-  o.max_context = 128;
+  o.max_context = std::min<int64_t>(128, load_model_config(dir).max_position_embeddings);
   o.graphs = graphs;
   o.tp = tp;
   o.ep = ep;
@@ -197,7 +197,8 @@ TEST_P(CudaEngineParallel, GraphDecodeEqualsEagerAndBatchEqualsAlone) {
 INSTANTIATE_TEST_SUITE_P(
     Fixtures, CudaEngineParallel,
     ::testing::Combine(::testing::Values("qwen3_moe_f32", "qwen3_moe_bf16", "mixtral_f32", "mixtral_f16_sharded",
-                                         "qwen2_moe_f32", "olmoe_f32", "deepseek_v2_f32", "deepseek_v3_f32"),
+                                         "qwen2_moe_f32", "olmoe_f32", "deepseek_v2_f32", "deepseek_v3_f32",
+                                         "qwen3_moe_yarn_f32", "deepseek_v3_yarn_mtp_legacy_bf16"),
                        ::testing::Values(2, 4)),
     [](const auto& info) { return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "gpus"; });
 

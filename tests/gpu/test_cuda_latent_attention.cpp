@@ -64,6 +64,7 @@ TEST(CudaLatentAttention, PrepareLatent) {
     std::vector<float> weight = gputest::random_bf16_exact(lora, rng, 0.2f);
     for (float& w : weight) w += 1.0f;
     const std::vector<float> inv_freq = make_inv_freq(rope);
+    const float rope_scale = lora == 24 ? 1.0f : 0.93f;  // YaRN's attention factor on cos and sin
     std::vector<int32_t> positions(tokens), slots(pool_rows);
     std::uniform_int_distribution<int> pos_dist(0, 5000);
     for (auto& p : positions) p = pos_dist(rng);
@@ -81,6 +82,7 @@ TEST(CudaLatentAttention, PrepareLatent) {
     p.norm_weight = dw.get();
     p.eps = 1e-6f;
     p.inv_freq = dfreq.get();
+    p.rope_scale = rope_scale;
     p.positions = dpos.get();
     p.slots = dslots.get();
     p.cache = dcache.get();
@@ -99,7 +101,7 @@ TEST(CudaLatentAttention, PrepareLatent) {
       std::vector<float> r(static_cast<size_t>(row));
       cpu::rms_norm(pool, kv.data() + static_cast<size_t>(t) * stride, weight.data(), r.data(), 1, lora, 1e-6f);
       std::copy_n(kv.data() + static_cast<size_t>(t) * stride + lora, rope, r.data() + lora);
-      cpu::rope_interleaved(r.data() + lora, 1, 1, rope, rope, &positions[t], inv_freq.data());
+      cpu::rope_interleaved(r.data() + lora, 1, 1, rope, rope, &positions[t], inv_freq.data(), rope_scale);
       ref.insert(ref.end(), r.begin(), r.end());
       for (int e = 0; e < row; ++e) got.push_back(bf16_to_f32(cache[static_cast<size_t>(slots[t]) * row + e]));
     }
@@ -122,6 +124,7 @@ TEST(CudaLatentAttention, PrepareMlaQ) {
     const int tokens = 19, width = d.nope + d.rope, full = d.lora + d.rope;
     const std::vector<float> q = gputest::random_bf16_exact(static_cast<size_t>(tokens) * d.heads * width, rng, 1.5f);
     const std::vector<float> inv_freq = make_inv_freq(d.rope);
+    const float rope_scale = d.lora == 32 ? 1.0f : 1.12f;  // YaRN's attention factor on cos and sin
     std::vector<int32_t> positions(tokens);
     std::uniform_int_distribution<int> pos_dist(0, 3000);
     for (auto& p : positions) p = pos_dist(rng);
@@ -134,6 +137,7 @@ TEST(CudaLatentAttention, PrepareMlaQ) {
     cuda::kernels::MlaQParams p;
     p.q = dq.get();
     p.inv_freq = dfreq.get();
+    p.rope_scale = rope_scale;
     p.positions = dpos.get();
     p.q_nope = dnope.get();
     p.q_full = dfull.get();
@@ -149,7 +153,7 @@ TEST(CudaLatentAttention, PrepareMlaQ) {
     std::vector<float> ref_rope = q;
     for (int t = 0; t < tokens; ++t)
       cpu::rope_interleaved(ref_rope.data() + static_cast<size_t>(t) * d.heads * width + d.nope, 1, d.heads,
-                            width, d.rope, &positions[t], inv_freq.data());
+                            width, d.rope, &positions[t], inv_freq.data(), rope_scale);
     // The nope part is a copy of bf16-exact values: it must be exact.
     size_t nope_wrong = 0, lora_touched = 0;
     std::vector<float> got, ref;

@@ -19,6 +19,7 @@
 #include "backend/cuda/ops_launch.h"
 #include "core/thread_pool.h"
 #include "gpu_test_util.h"
+#include "model/rope.h"
 
 namespace moe {
 namespace {
@@ -174,7 +175,8 @@ struct QkvCase {
 
 constexpr uint16_t kSentinel = 0x3f9d;  // an ordinary bf16 (about 1.23), so NaN checks cannot hide it
 
-void run_qkv_case(const QkvCase& c, uint32_t seed) {
+// rope: the rotary table (model/rope.h); the plain one of theta 10000 unless given.
+void run_qkv_case(const QkvCase& c, uint32_t seed, const RopeScaling& scaling = {}) {
   std::mt19937 rng(seed);
   const int tokens = 6, block_size = 4, num_blocks = 5;
   const int hd = c.head_dim, qw = c.q_heads * hd, kw = c.kv_heads * hd, width = qw + 2 * kw;
@@ -184,9 +186,9 @@ void run_qkv_case(const QkvCase& c, uint32_t seed) {
   std::vector<float> qn(static_cast<size_t>(norm_q)), kn(static_cast<size_t>(norm_k));
   for (auto& v : qn) v = std::uniform_real_distribution<float>(0.5f, 1.5f)(rng);
   for (auto& v : kn) v = std::uniform_real_distribution<float>(0.5f, 1.5f)(rng);
-  std::vector<float> inv_freq(static_cast<size_t>(c.rot_dim / 2));
-  for (size_t i = 0; i < inv_freq.size(); ++i)  // as Model::load: 1 / theta^(2i / d)
-    inv_freq[i] = 1.0f / std::pow(10000.0f, static_cast<float>(2 * i) / static_cast<float>(c.rot_dim));
+  RopeTable table;
+  if (c.rot_dim > 0) table = rope_table(scaling, 10000.0, c.rot_dim);
+  const std::vector<float>& inv_freq = table.inv_freq;
   const std::vector<int32_t> positions = {0, 1, 17, 4095, 70000, 3};
   // Scattered over blocks, out of order; token 4 is padding and writes nothing.
   const std::vector<int32_t> slots = {2 * block_size + 3, 4 * block_size + 0, 0 * block_size + 1,
@@ -211,10 +213,10 @@ void run_qkv_case(const QkvCase& c, uint32_t seed) {
     for (auto* x : {&q, &kk, &v})
       for (auto& e : *x) e = std::clamp(e, -c.clip, c.clip);
   auto rope = c.rope_half ? cpu::rope_half : cpu::rope_interleaved;
-  rope(q.data(), tokens, c.q_heads, hd, c.rot_dim, positions.data(), inv_freq.data());
-  rope(kk.data(), tokens, c.kv_heads, hd, c.rot_dim, positions.data(), inv_freq.data());
+  rope(q.data(), tokens, c.q_heads, hd, c.rot_dim, positions.data(), inv_freq.data(), table.cos_sin_scale);
+  rope(kk.data(), tokens, c.kv_heads, hd, c.rot_dim, positions.data(), inv_freq.data(), table.cos_sin_scale);
 
-  DeviceBuffer<float> dqkv(qkv), dbias(bias), dqn(qn), dkn(kn), dfreq(inv_freq);
+  DeviceBuffer<float> dqkv(qkv), dbias(bias), dqn(qn), dkn(kn), dfreq(inv_freq.empty() ? std::vector<float>{0.0f} : inv_freq);
   DeviceBuffer<int32_t> dpos(positions), dslots(slots);
   const size_t cache_elems = static_cast<size_t>(num_blocks) * block_size * kw;
   const std::vector<uint16_t> sentinel(cache_elems, kSentinel);
@@ -234,6 +236,7 @@ void run_qkv_case(const QkvCase& c, uint32_t seed) {
   p.rope_half = c.rope_half ? 1 : 0;
   p.rot_dim = c.rot_dim;
   p.inv_freq = dfreq.get();
+  p.rope_scale = table.cos_sin_scale;
   p.positions = dpos.get();
   p.slots = dslots.get();
   p.k_cache = kc.get();
@@ -245,7 +248,8 @@ void run_qkv_case(const QkvCase& c, uint32_t seed) {
   const std::string what = "heads " + std::to_string(c.q_heads) + "/" + std::to_string(c.kv_heads) +
                            " hd " + std::to_string(hd) + " rot " + std::to_string(c.rot_dim) +
                            " norm " + std::to_string(c.qk_norm) + (c.rope_half ? " half" : " interleaved") +
-                           (c.bias ? " bias" : "") + " clip " + std::to_string(c.clip);
+                           (c.bias ? " bias" : "") + " clip " + std::to_string(c.clip) + " rope " +
+                           rope_type_name(scaling.type);
   EXPECT_EQ(bf16_mismatches(qo.download(), q), 0u) << "q: " << what;
   const auto kg = kc.download(), vg = vc.download();
   std::vector<uint16_t> kw_got, vw_got;
@@ -283,6 +287,14 @@ TEST(CudaOps, PrepareQkvMatchesCpuInEveryMode) {
   run_qkv_case({16, 4, 64, 32, 1, true, false, 0.0f}, 90);
   run_qkv_case({16, 4, 64, 32, 1, false, true, 0.0f}, 91);
   run_qkv_case({3, 1, 24, 0, 2, true, true, 0.0f}, 92);  // no rotation at all
+  // YaRN (Qwen3's factor 4 over a short original context): interpolated frequencies and cos and
+  // sin scaled by its attention factor 1.139.
+  RopeScaling yarn;
+  yarn.type = RopeType::kYarn;
+  yarn.factor = 4.0;
+  yarn.original_max_position = 64;
+  run_qkv_case({4, 2, 128, 128, 1, true, false, 0.0f}, 93, yarn);
+  run_qkv_case({4, 2, 64, 64, 0, false, true, 0.0f}, 94, yarn);
 }
 
 TEST(CudaOps, RejectsUnsupportedSizes) {

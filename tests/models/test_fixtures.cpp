@@ -134,7 +134,9 @@ INSTANTIATE_TEST_SUITE_P(Transformers, FixtureTest,
                                            "tiny_qwen3_moe", "deepseek_v2_f32",
                                            "deepseek_v2_grouped_f32", "deepseek_v3_f32",
                                            "deepseek_v3_g8_f32", "deepseek_v3_bf16",
-                                           "qwen2_moe_f32", "olmoe_f32"),
+                                           "qwen2_moe_f32", "olmoe_f32", "qwen3_moe_yarn_f32",
+                                           "deepseek_v2_yarn_legacy_f32", "deepseek_v3_yarn_mtp_legacy_bf16",
+                                           "mixtral_llama3_f32", "qwen3_dense_linear_f32"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -14,22 +14,9 @@ namespace fs = std::filesystem;
 using test::expect_error;
 using test::TempDir;
 
-nlohmann::json read_json(const fs::path& p) {
-  std::ifstream in(p);
-  return nlohmann::json::parse(in);
-}
-void write_json(const fs::path& p, const nlohmann::json& j) { test::write_file(p, j.dump(2)); }
-
-// A copy of a fixture whose config.json has been edited by `edit`.
-struct EditedFixture {
-  TempDir dir;
-  EditedFixture(const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
-    test::copy_fixture(name, dir.path());
-    auto cfg = read_json(dir.path() / "config.json");
-    edit(cfg);
-    write_json(dir.path() / "config.json", cfg);
-  }
-};
+using test::EditedFixture;
+using test::read_json;
+using test::write_json;
 
 TEST(HfConfig, AliasesAndNestedKeys) {
   HfConfig cfg(nlohmann::json::parse(R"({"num_local_experts": 8, "rope_parameters": {"rope_theta": 5.0},
@@ -92,8 +79,20 @@ TEST(ModelErrors, ImpossibleConfigValues) {
   EXPECT_EQ(expect_error([&] { Model::load(topk.dir.str()); }).kind(), ErrorKind::kConfig);
   EditedFixture act("qwen3_dense_f32", [](auto& c) { c["hidden_act"] = "gelu"; });
   EXPECT_EQ(expect_error([&] { Model::load(act.dir.str()); }).kind(), ErrorKind::kUnsupported);
-  EditedFixture rope("qwen3_dense_f32", [](auto& c) { c["rope_parameters"]["rope_type"] = "yarn"; });
+  EditedFixture rope("qwen3_dense_f32", [](auto& c) {
+    c["rope_parameters"]["rope_type"] = "dynamic";
+    c["rope_parameters"]["factor"] = 2.0;
+  });
   EXPECT_EQ(expect_error([&] { Model::load(rope.dir.str()); }).kind(), ErrorKind::kUnsupported);
+  // Quantized checkpoints are refused, not read as if they were plain weights.
+  EditedFixture quant("qwen3_dense_f32", [](auto& c) {
+    c["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"weight_block_size", {128, 128}}};
+  });
+  auto q = expect_error([&] { Model::load(quant.dir.str()); });
+  EXPECT_EQ(q.kind(), ErrorKind::kUnsupported);
+  EXPECT_NE(q.message().find("quantization_config (quant_method \"fp8\")"), std::string::npos) << q.message();
+  EditedFixture scoring("deepseek_v3_f32", [](auto& c) { c["scoring_func"] = "softmax"; });
+  EXPECT_EQ(expect_error([&] { Model::load(scoring.dir.str()); }).kind(), ErrorKind::kUnsupported);
 }
 
 TEST(ModelErrors, WrongShapeNamesTheTensor) {

@@ -75,4 +75,18 @@ void copy_fixture(const std::string& name, const fs::path& dest) {
            fs::copy_options::recursive | fs::copy_options::overwrite_existing);
 }
 
+nlohmann::json read_json(const fs::path& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+void write_json(const fs::path& path, const nlohmann::json& value) { write_file(path, value.dump(2)); }
+
+EditedFixture::EditedFixture(const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+  copy_fixture(name, dir.path());
+  auto cfg = read_json(dir.path() / "config.json");
+  edit(cfg);
+  write_json(dir.path() / "config.json", cfg);
+}
+
 }  // namespace moe::test

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,15 @@ std::string make_f32_safetensors(const std::vector<F32Tensor>& tensors);
 
 // Copies a fixture directory (tests/fixtures/<name>) to `dest`.
 void copy_fixture(const std::string& name, const std::filesystem::path& dest);
+
+nlohmann::json read_json(const std::filesystem::path& path);
+void write_json(const std::filesystem::path& path, const nlohmann::json& value);
+
+// A copy of a fixture whose config.json has been edited by `edit`.
+struct EditedFixture {
+  TempDir dir;
+  EditedFixture(const std::string& name, const std::function<void(nlohmann::json&)>& edit);
+};
 
 // Runs `fn` and returns the moe::Error it throws; fails the test when it throws nothing.
 template <typename Fn>

@@ -22,12 +22,12 @@ void rms_norm(ThreadPool& pool, const float* x, const float* weight, float* out,
 }
 
 void rope_half(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t rot_dim,
-               const int32_t* positions, const float* inv_freq) {
+               const int32_t* positions, const float* inv_freq, float cos_sin_scale) {
   int64_t half = rot_dim / 2;
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t i = 0; i < half; ++i) {
       float angle = static_cast<float>(positions[t]) * inv_freq[i];
-      float c = std::cos(angle), s = std::sin(angle);
+      float c = std::cos(angle) * cos_sin_scale, s = std::sin(angle) * cos_sin_scale;
       for (int64_t h = 0; h < heads; ++h) {
         float* p = x + (t * heads + h) * head_dim;
         float a = p[i], b = p[i + half];
@@ -39,12 +39,12 @@ void rope_half(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_
 }
 
 void rope_interleaved(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t rot_dim,
-                      const int32_t* positions, const float* inv_freq) {
+                      const int32_t* positions, const float* inv_freq, float cos_sin_scale) {
   int64_t half = rot_dim / 2;
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t i = 0; i < half; ++i) {
       float angle = static_cast<float>(positions[t]) * inv_freq[i];
-      float c = std::cos(angle), s = std::sin(angle);
+      float c = std::cos(angle) * cos_sin_scale, s = std::sin(angle) * cos_sin_scale;
       for (int64_t h = 0; h < heads; ++h) {
         float* p = x + (t * heads + h) * head_dim;
         float a = p[2 * i], b = p[2 * i + 1];

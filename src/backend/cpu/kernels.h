@@ -24,12 +24,13 @@ void rms_norm(ThreadPool& pool, const float* x, const float* weight, float* out,
 
 // Rotary embedding in the "half" layout (rotate_half: pairs (i, i + d/2)), applied in place to
 // `heads` heads of width `head_dim` for each of `tokens` rows; row t has position positions[t].
-// Only the first `rot_dim` features of each head rotate.
+// Only the first `rot_dim` features of each head rotate. cos and sin are multiplied by
+// `cos_sin_scale` (YaRN's attention factor, see model/rope.h).
 void rope_half(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t rot_dim,
-               const int32_t* positions, const float* inv_freq);
+               const int32_t* positions, const float* inv_freq, float cos_sin_scale = 1.0f);
 // The interleaved layout (pairs (2i, 2i + 1)).
 void rope_interleaved(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t rot_dim,
-                      const int32_t* positions, const float* inv_freq);
+                      const int32_t* positions, const float* inv_freq, float cos_sin_scale = 1.0f);
 
 // out[t, i] = silu(gate_up[t, i]) * gate_up[t, inter + i] for i < inter.
 void silu_mul(const float* gate_up, float* out, int64_t tokens, int64_t inter);

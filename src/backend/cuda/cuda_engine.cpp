@@ -330,6 +330,7 @@ struct Engine::State {
     lc.norm_weight = L.kv_a_norm;
     lc.eps = kLatentNormEps;
     lc.inv_freq = model->inv_freq;
+    lc.rope_scale = model->rope_cos_sin_scale;
     lc.positions = meta.positions;
     lc.slots = meta.slots;
     lc.cache = k_cache[static_cast<size_t>(l)];
@@ -340,6 +341,7 @@ struct Engine::State {
     kernels::MlaQParams mq;
     mq.q = ws.qkv;
     mq.inv_freq = model->inv_freq;
+    mq.rope_scale = model->rope_cos_sin_scale;
     mq.positions = meta.positions;
     mq.q_nope = ws.mla_q_nope;
     mq.q_full = ws.q;
@@ -367,7 +369,7 @@ struct Engine::State {
     a.block_size = opts.block_size;
     a.max_blocks_per_seq = static_cast<int>(max_blocks);
     a.max_context = static_cast<int>(max_context);
-    a.scale = 1.0f / std::sqrt(static_cast<float>(qk));
+    a.scale = c.softmax_scale_factor / std::sqrt(static_cast<float>(qk));
     a.out = ws.mla_o_lat;
     a.workspace = ws.attention;
     MOE_CUDA_CHECK(kernels::latent_attention(a, stream));
@@ -408,6 +410,7 @@ struct Engine::State {
     p.rope_half = c.rope_style == RopeStyle::kHalf ? 1 : 0;
     p.rot_dim = static_cast<int>(hd);
     p.inv_freq = model->inv_freq;
+    p.rope_scale = model->rope_cos_sin_scale;
     p.positions = meta.positions;
     p.slots = meta.slots;
     p.k_cache = k_cache[static_cast<size_t>(l)];

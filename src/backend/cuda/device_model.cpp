@@ -151,6 +151,7 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     w = load_weights(mc, loader, selection);
     loader.finish();
     if (draw) std::fprintf(stderr, "\n");
+    if (opts.rank == 0) note_skipped_mtp(mc, w);
   }
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -204,10 +205,9 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
   model->embed = bf16(w.embed);
   model->lm_head = bf16(w.lm_head);
   model->final_norm = f32(w.final_norm);
-  std::vector<float> inv_freq;
-  for (int64_t i = 0; i < mc.head_dim / 2; ++i)  // in f32, as the CPU engine and transformers do
-    inv_freq.push_back(1.0f / std::pow(mc.rope_theta, static_cast<float>(2 * i) / static_cast<float>(mc.head_dim)));
-  model->inv_freq = upload_f32(inv_freq.data(), inv_freq.size());
+  const RopeTable rope = mc.rope();  // the CPU engine's table (model/rope.h)
+  model->inv_freq = upload_f32(rope.inv_freq.data(), rope.inv_freq.size());
+  model->rope_cos_sin_scale = rope.cos_sin_scale;
 
   for (int64_t l = 0; l < mc.num_layers; ++l) {
     const LayerWeights& lw = w.layers[static_cast<size_t>(l)];

@@ -48,6 +48,7 @@ struct DeviceModel {
   int64_t q_heads = 0, kv_heads = 0;
   int64_t first_expert = 0, local_experts = 0;
   const float* inv_freq = nullptr;
+  float rope_cos_sin_scale = 1.0f;  // YaRN's attention factor on cos and sin
   std::vector<DeviceLayer> layers;
   size_t bytes() const { return mirror.capacity() + small.capacity() + derived.capacity(); }
 };

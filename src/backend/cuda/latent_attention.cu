@@ -121,6 +121,8 @@ __global__ void __launch_bounds__(kThreads) prepare_latent_kernel(const LatentCa
   for (int i = threadIdx.x; i < p.rope / 2; i += blockDim.x) {
     float s, c;
     sincosf(pos * p.inv_freq[i], &s, &c);
+    s *= p.rope_scale;
+    c *= p.rope_scale;
     const float a = x[p.lora + 2 * i], b = x[p.lora + 2 * i + 1];
     *reinterpret_cast<uint32_t*>(dst + p.lora + 2 * i) = pack_bf16(a * c - b * s, b * c + a * s);
   }
@@ -132,7 +134,12 @@ __global__ void __launch_bounds__(256) prepare_mla_q_kernel(const MlaQParams p) 
   const int t = blockIdx.x;
   const float pos = static_cast<float>(p.positions[t]);
   const int half = p.rope / 2;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) sincosf(pos * p.inv_freq[i], &s_sin[i], &s_cos[i]);
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    float s, c;
+    sincosf(pos * p.inv_freq[i], &s, &c);
+    s_sin[i] = s * p.rope_scale;
+    s_cos[i] = c * p.rope_scale;
+  }
   __syncthreads();
   const int width = p.nope + p.rope, pairs = width / 2, full = p.lora + p.rope;
   for (int k = threadIdx.x; k < p.heads * pairs; k += blockDim.x) {

@@ -43,6 +43,7 @@ struct LatentCacheParams {
   const float* norm_weight = nullptr;  // f32 [lora] (kv_a_layernorm)
   float eps = 1e-6f;
   const float* inv_freq = nullptr;     // f32 [rope / 2]; angle = f32(position) * inv_freq[i]
+  float rope_scale = 1.0f;             // multiplies cos and sin (YaRN's attention factor)
   const int32_t* positions = nullptr;  // [tokens]
   const int32_t* slots = nullptr;      // [tokens]: cache row, block * block_size + offset; < 0 writes nothing
   uint16_t* cache = nullptr;           // bf16 [num_blocks, block_size, lora + rope]
@@ -56,6 +57,7 @@ cudaError_t prepare_latent(const LatentCacheParams& p, cudaStream_t stream);
 struct MlaQParams {
   const float* q = nullptr;  // f32 [tokens, heads, nope + rope]
   const float* inv_freq = nullptr;     // f32 [rope / 2]
+  float rope_scale = 1.0f;             // multiplies cos and sin
   const int32_t* positions = nullptr;  // [tokens]
   uint16_t* q_nope = nullptr;  // bf16 [tokens, heads, nope]
   uint16_t* q_full = nullptr;  // bf16 [tokens, heads, lora + rope]; only columns [lora, lora + rope) written

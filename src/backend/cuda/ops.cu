@@ -263,7 +263,11 @@ __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const float* __rest
     w0[m] = mine && normed ? w[e0[m]] : 1.0f;
     w1[m] = mine && normed ? w[e1[m]] : 1.0f;
     sn[m] = 0.0f, cs[m] = 1.0f;
-    if (mine && kind != 2 && q < rh) sincosf(pos * p.inv_freq[q], &sn[m], &cs[m]);
+    if (mine && kind != 2 && q < rh) {
+      sincosf(pos * p.inv_freq[q], &sn[m], &cs[m]);
+      sn[m] *= p.rope_scale;
+      cs[m] *= p.rope_scale;
+    }
   }
   wait_for_predecessor();
   allow_dependents();

@@ -53,6 +53,7 @@ struct QkvParams {
   int rope_half = 1;    // 1: rotate_half pairs (i, i + rot_dim / 2); 0: interleaved (2i, 2i + 1)
   int rot_dim = 0;      // leading features of each head that rotate (even, <= head_dim)
   const float* inv_freq = nullptr;     // [rot_dim / 2]
+  float rope_scale = 1.0f;             // multiplies cos and sin (YaRN's attention factor)
   const int32_t* positions = nullptr;  // [tokens]
   // Paged cache of one layer: pools bf16 [num_blocks, block_size, kv_heads, head_dim]; token t
   // goes to row slots[t] = block * block_size + offset; a negative slot (padding) writes no k, v.
