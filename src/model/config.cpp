@@ -1,5 +1,7 @@
 #include "model/config.h"
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 
 #include "model/registry.h"
@@ -25,6 +27,45 @@ int64_t ModelConfig::kv_value_width() const {
 
 RopeTable ModelConfig::rope() const { return rope_table(rope_scaling, rope_theta, head_dim); }
 
+namespace {
+
+// Sane maxima, checked before anything is sized from a config: each is well past every public
+// model (DeepSeek-V3: 61 layers, 256 experts, 129,280 tokens; Llama 3.1 405B: 126 layers, hidden
+// 16,384; contexts of 10M positions exist) and small enough that a hostile config cannot make the
+// loader enumerate billions of tensors or allocate gigabytes from one number.
+constexpr int64_t kMaxVocab = int64_t(1) << 24;
+constexpr int64_t kMaxHidden = int64_t(1) << 17;
+constexpr int64_t kMaxLayers = 1024;
+constexpr int64_t kMaxHeads = 4096;
+constexpr int64_t kMaxHeadDim = 4096;
+constexpr int64_t kMaxIntermediate = int64_t(1) << 20;
+constexpr int64_t kMaxPositions = int64_t(1) << 26;
+constexpr int64_t kMaxExperts = 16384;
+constexpr int64_t kMaxTensors = 4'000'000;  // tensor names the configuration implies
+
+void at_most(int64_t v, int64_t limit, const char* name, const std::string& origin) {
+  MOE_CHECK(v <= limit, kConfig, "{}: {} {} is past the largest supported value {}", origin, name, v, limit);
+}
+
+// A token id or a list of them (eos_token_id), each an integer in [0, kMaxVocab).
+std::vector<int32_t> token_ids(const nlohmann::json& v, const char* name, const std::string& origin) {
+  std::vector<int32_t> ids;
+  auto one = [&](const nlohmann::json& e) {
+    MOE_CHECK(e.is_number_integer() && e.get<int64_t>() >= 0 && e.get<int64_t>() < kMaxVocab, kConfig,
+              "{}: {} must hold token ids (integers in [0, {})), got {}", origin, name, kMaxVocab, e.dump());
+    ids.push_back(static_cast<int32_t>(e.get<int64_t>()));
+  };
+  if (v.is_array()) {
+    MOE_CHECK(v.size() <= 1024, kConfig, "{}: {} lists {} ids, more than 1024", origin, name, v.size());
+    for (const auto& e : v) one(e);
+  } else {
+    one(v);
+  }
+  return ids;
+}
+
+}  // namespace
+
 void parse_decoder_common(const HfConfig& cfg, ModelConfig& mc) {
   mc.vocab_size = cfg.get<int64_t>({"vocab_size"});
   mc.hidden_size = cfg.get<int64_t>({"hidden_size", "d_model", "n_embd"});
@@ -34,8 +75,15 @@ void parse_decoder_common(const HfConfig& cfg, ModelConfig& mc) {
   mc.head_dim = cfg.get_or<int64_t>({"head_dim"}, mc.num_heads ? mc.hidden_size / mc.num_heads : 0);
   mc.intermediate_size = cfg.get_or<int64_t>({"intermediate_size", "ffn_dim"}, 0);
   mc.max_position_embeddings = cfg.get_or<int64_t>({"max_position_embeddings"}, 4096);
+  // The layer count sizes per-layer tables in every architecture parser: bounded first.
+  at_most(mc.num_layers, kMaxLayers, "num_hidden_layers", cfg.origin());
+  MOE_CHECK(mc.num_layers > 0, kConfig, "{}: num_hidden_layers must be positive, got {}", cfg.origin(), mc.num_layers);
   mc.rms_norm_eps = cfg.get_or<float>({"rms_norm_eps", "layer_norm_epsilon"}, 1e-6f);
   mc.rope_theta = cfg.get_or<float>({"rope_theta", "rope_parameters.rope_theta"}, 10000.0f);
+  MOE_CHECK(std::isfinite(mc.rope_theta) && mc.rope_theta > 1.0f, kConfig, "{}: rope_theta must be a finite number above 1, got {}",
+            cfg.origin(), mc.rope_theta);
+  MOE_CHECK(std::isfinite(mc.rms_norm_eps) && mc.rms_norm_eps > 0.0f, kConfig,
+            "{}: rms_norm_eps must be a positive finite number, got {}", cfg.origin(), mc.rms_norm_eps);
   mc.tie_word_embeddings = cfg.get_or<bool>({"tie_word_embeddings"}, false);
   mc.qkv_bias = mc.o_bias = cfg.get_or<bool>({"attention_bias"}, false);
   mc.rope_scaling = parse_rope_scaling(cfg, mc.max_position_embeddings);
@@ -63,13 +111,12 @@ void parse_decoder_common(const HfConfig& cfg, ModelConfig& mc) {
             cfg.origin(), act);
   MOE_CHECK(!cfg.get_or<bool>({"use_sliding_window"}, false), kUnsupported,
             "{}: sliding-window attention is not supported", cfg.origin());
-  if (const auto* eos = cfg.find({"eos_token_id"})) {
-    if (eos->is_array())
-      for (const auto& e : *eos) mc.eos_token_ids.push_back(e.get<int32_t>());
-    else if (eos->is_number_integer())
-      mc.eos_token_ids.push_back(eos->get<int32_t>());
+  if (const auto* eos = cfg.find({"eos_token_id"})) mc.eos_token_ids = token_ids(*eos, "eos_token_id", cfg.origin());
+  if (const auto* bos = cfg.find({"bos_token_id"})) {
+    const auto ids = token_ids(*bos, "bos_token_id", cfg.origin());
+    MOE_CHECK(ids.size() == 1, kConfig, "{}: bos_token_id must be one token id", cfg.origin());
+    mc.bos_token_id = ids[0];
   }
-  mc.bos_token_id = cfg.get_or<int32_t>({"bos_token_id"}, -1);
 }
 
 void validate_model_config(const ModelConfig& mc, const std::string& origin) {
@@ -82,6 +129,30 @@ void validate_model_config(const ModelConfig& mc, const std::string& origin) {
   positive(mc.num_heads, "num_attention_heads");
   positive(mc.num_kv_heads, "num_key_value_heads");
   positive(mc.head_dim, "head_dim");
+  positive(mc.max_position_embeddings, "max_position_embeddings");
+  at_most(mc.vocab_size, kMaxVocab, "vocab_size", origin);
+  at_most(mc.hidden_size, kMaxHidden, "hidden_size", origin);
+  at_most(mc.num_layers, kMaxLayers, "num_hidden_layers", origin);
+  at_most(mc.num_heads, kMaxHeads, "num_attention_heads", origin);
+  at_most(mc.num_kv_heads, mc.num_heads, "num_key_value_heads", origin);
+  at_most(mc.head_dim, kMaxHeadDim, "head_dim", origin);
+  at_most(mc.intermediate_size, kMaxIntermediate, "intermediate_size", origin);
+  at_most(mc.max_position_embeddings, kMaxPositions, "max_position_embeddings", origin);
+  at_most(mc.moe.num_experts, kMaxExperts, "the number of experts", origin);
+  at_most(mc.moe.intermediate_size, kMaxIntermediate, "the expert intermediate size", origin);
+  at_most(mc.moe.shared_intermediate, kMaxIntermediate, "the shared expert intermediate size", origin);
+  at_most(mc.num_nextn_predict_layers, kMaxLayers, "num_nextn_predict_layers", origin);
+  if (mc.attention == AttentionKind::kMla) {
+    at_most(mc.mla.q_lora_rank, kMaxHidden, "q_lora_rank", origin);
+    at_most(mc.mla.kv_lora_rank, kMaxHidden, "kv_lora_rank", origin);
+    at_most(mc.mla.qk_nope_head_dim, kMaxHeadDim, "qk_nope_head_dim", origin);
+    at_most(mc.mla.v_head_dim, kMaxHeadDim, "v_head_dim", origin);
+  }
+  // Each routed expert is three tensors: bound the names a loader or `info` would list.
+  const int64_t tensors = mc.num_layers * (3 * std::max<int64_t>(mc.moe.num_experts, 0) + 32);
+  MOE_CHECK(tensors <= kMaxTensors, kConfig,
+            "{}: {} layers of {} experts imply {} tensors, more than the {} supported", origin, mc.num_layers,
+            mc.moe.num_experts, tensors, kMaxTensors);
   MOE_CHECK(mc.head_dim % 2 == 0, kConfig, "{}: head_dim {} must be even for rotary embeddings",
             origin, mc.head_dim);
   MOE_CHECK(mc.num_heads % mc.num_kv_heads == 0, kConfig,
@@ -128,13 +199,7 @@ ModelConfig load_model_config(const std::string& dir) {
   std::string gen_path = (fs::path(dir) / "generation_config.json").string();
   if (fs::exists(gen_path)) {
     HfConfig gen = HfConfig::from_file(gen_path);
-    if (const auto* eos = gen.find({"eos_token_id"})) {
-      mc.eos_token_ids.clear();
-      if (eos->is_array())
-        for (const auto& e : *eos) mc.eos_token_ids.push_back(e.get<int32_t>());
-      else if (eos->is_number_integer())
-        mc.eos_token_ids.push_back(eos->get<int32_t>());
-    }
+    if (const auto* eos = gen.find({"eos_token_id"})) mc.eos_token_ids = token_ids(*eos, "eos_token_id", gen_path);
   }
   validate_model_config(mc, path);
   return mc;

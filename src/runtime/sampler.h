@@ -1,6 +1,9 @@
 // Picks the next token from a row of logits: greedy when temperature is 0, otherwise softmax at
 // the temperature, restricted to the top_k most likely tokens (0: all) and then to the smallest
 // set whose probability reaches top_p (1: all). Seeded, so a run can be repeated exactly.
+//
+// Cost: one pass over the vocabulary plus a selection of the candidates, never a sort of the
+// whole vocabulary: sampling at temperature 1 over 152k logits costs about what the argmax does.
 #pragma once
 
 #include <cstdint>
@@ -9,15 +12,24 @@
 
 namespace moe {
 
+// Temperatures below this are treated as greedy (0): dividing logits by a denormal one would
+// overflow to inf and give NaN probabilities.
+constexpr float kGreedyTemperature = 1e-5f;
+
 struct SamplingParams {
   float temperature = 0.0f;
-  int top_k = 0;
+  int top_k = 0;  // 0, or >= the vocabulary: every token
   float top_p = 1.0f;
   uint64_t seed = 0;
 };
 
-// Throws kInvalidArgument for a negative temperature or top_k, or top_p outside (0, 1].
+// Throws kInvalidArgument for a negative or non-finite temperature, a negative top_k, or top_p
+// outside (0, 1].
 void validate_sampling(const SamplingParams& params);
+
+// The parameters every sampler (CPU or GPU) actually runs: a temperature under
+// kGreedyTemperature becomes 0, a top_k of 1 or of the whole vocabulary is folded in.
+SamplingParams effective_sampling(const SamplingParams& params, int64_t vocab);
 
 class Sampler {
  public:
@@ -27,7 +39,12 @@ class Sampler {
  private:
   SamplingParams params_;
   std::mt19937_64 rng_;
-  std::vector<std::pair<float, int32_t>> scratch_;
+  // Scratch, kept between calls.
+  std::vector<int32_t> ids_;        // candidates
+  std::vector<float> weights_;      // exp((l - max) / T)
+  std::vector<double> block_sums_;  // weights summed per block of the vocabulary
+  std::vector<uint16_t> bins_;      // each token's bin of the scaled logit (top_p)
+  std::vector<double> bin_mass_;    // weights summed per bin
 };
 
 }  // namespace moe

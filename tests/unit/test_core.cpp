@@ -1,8 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <map>
 #include <random>
 
 #include "core/arena.h"
@@ -126,6 +129,75 @@ TEST(Sampler, GreedyTopKAndSeeds) {
   EXPECT_THROW(Sampler({-1.0f, 0, 1.0f, 0}), Error);
   EXPECT_THROW(Sampler({1.0f, 0, 0.0f, 0}), Error);
   EXPECT_THROW(Sampler({1.0f, -2, 1.0f, 0}), Error);
+}
+
+// A top_k at or past the vocabulary means every token: the draws follow the full softmax, as
+// with top_k 0 (not a truncated or wrapped integer).
+TEST(Sampler, TopKPastTheVocabularyIsTheWholeVocabulary) {
+  std::vector<float> logits{0.1f, 2.0f, -1.0f, 2.0f, 1.5f};
+  double z = 0;
+  for (float l : logits) z += std::exp(l);
+  for (int k : {5, 6, 1 << 30, std::numeric_limits<int>::max()}) {
+    Sampler s({1.0f, k, 1.0f, 9});
+    std::vector<int> counts(5);
+    for (int i = 0; i < 4000; ++i) counts[static_cast<size_t>(s.sample(logits.data(), 5))]++;
+    for (size_t i = 0; i < 5; ++i) EXPECT_NEAR(counts[i] / 4000.0, std::exp(logits[i]) / z, 0.03) << "k " << k << " id " << i;
+  }
+}
+
+// A temperature too small to divide by (denormal, or under 1e-5) is greedy, never NaN.
+TEST(Sampler, TinyTemperatureIsGreedy) {
+  std::vector<float> logits{0.1f, 2.0f, -1.0f, 2.0f, 1.5f};
+  for (float t : {std::numeric_limits<float>::denorm_min(), 1e-38f, 1e-7f, 9e-6f}) {
+    Sampler s({t, 0, 0.9f, 5});
+    for (int i = 0; i < 20; ++i) ASSERT_EQ(s.sample(logits.data(), 5), 1) << t;
+    EXPECT_EQ(effective_sampling({t, 0, 0.9f, 5}, 5).temperature, 0.0f);
+  }
+  EXPECT_EQ(effective_sampling({1e-4f, 0, 1.0f, 0}, 5).temperature, 1e-4f);
+  // Huge logits at a small temperature stay finite: the draw is still from the two best.
+  std::vector<float> big{3e38f, -3e38f, 3e38f, 0.0f};
+  Sampler hot({1e-4f, 0, 1.0f, 1});
+  for (int i = 0; i < 50; ++i) {
+    const int32_t id = hot.sample(big.data(), 4);
+    ASSERT_TRUE(id == 0 || id == 2) << id;
+  }
+}
+
+// Over a real vocabulary size, top-p draws stay inside the nucleus computed here by sorting every
+// probability, and follow its renormalised distribution.
+TEST(Sampler, NucleusOverALargeVocabulary) {
+  const int64_t vocab = 151936;
+  std::vector<float> logits(static_cast<size_t>(vocab));
+  std::mt19937 rng(17);
+  std::normal_distribution<float> noise(0.0f, 1.0f);
+  for (auto& l : logits) l = noise(rng);
+  for (int i = 0; i < 40; ++i) logits[static_cast<size_t>(i * 3001)] = 9.0f - 0.1f * static_cast<float>(i);
+  const float temperature = 0.8f, top_p = 0.7f;
+  std::vector<std::pair<double, int32_t>> probs;
+  double z = 0;
+  for (int64_t i = 0; i < vocab; ++i) z += std::exp(static_cast<double>(logits[static_cast<size_t>(i)]) / temperature);
+  for (int64_t i = 0; i < vocab; ++i)
+    probs.push_back({std::exp(static_cast<double>(logits[static_cast<size_t>(i)]) / temperature) / z,
+                     static_cast<int32_t>(i)});
+  std::sort(probs.begin(), probs.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::map<int32_t, double> nucleus;
+  double mass = 0;
+  for (const auto& [p, id] : probs) {
+    nucleus[id] = p;
+    mass += p;
+    if (mass >= top_p) break;
+  }
+  ASSERT_GT(nucleus.size(), 64u);  // past the first selection round
+  Sampler s({temperature, 0, top_p, 23});
+  std::map<int32_t, int> counts;
+  const int draws = 6000;
+  for (int i = 0; i < draws; ++i) {
+    const int32_t id = s.sample(logits.data(), vocab);
+    ASSERT_TRUE(nucleus.count(id)) << "token " << id << " is outside the nucleus";
+    counts[id]++;
+  }
+  for (const auto& [id, p] : nucleus)
+    if (p / mass > 0.02) EXPECT_NEAR(counts[id] / static_cast<double>(draws), p / mass, 0.02) << id;
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <functional>
 
 #include "io/hf_config.h"
 #include "model/model.h"
@@ -93,6 +94,40 @@ TEST(ModelErrors, ImpossibleConfigValues) {
   EXPECT_NE(q.message().find("quantization_config (quant_method \"fp8\")"), std::string::npos) << q.message();
   EditedFixture scoring("deepseek_v3_f32", [](auto& c) { c["scoring_func"] = "softmax"; });
   EXPECT_EQ(expect_error([&] { Model::load(scoring.dir.str()); }).kind(), ErrorKind::kUnsupported);
+}
+
+// Numbers that would size tables or tensor lists are bounded before anything is allocated from
+// them: each is refused with one line naming the field, at once.
+TEST(ModelErrors, HostileSizesAreRefusedBeforeAllocation) {
+  struct Case {
+    const char* fixture;
+    std::function<void(nlohmann::json&)> edit;
+    const char* says;
+  };
+  const Case cases[] = {
+      {"qwen3_moe_f32", [](auto& c) { c["num_hidden_layers"] = 1000000000; }, "num_hidden_layers 1000000000 is past"},
+      {"qwen3_moe_f32", [](auto& c) { c["num_hidden_layers"] = -3; }, "num_hidden_layers must be positive"},
+      {"qwen3_moe_f32", [](auto& c) { c["vocab_size"] = int64_t(1) << 40; }, "vocab_size 1099511627776 is past"},
+      {"qwen3_moe_f32", [](auto& c) { c["hidden_size"] = int64_t(1) << 33; }, "hidden_size"},
+      {"qwen3_moe_f32", [](auto& c) { c["num_experts"] = 1 << 20; }, "the number of experts 1048576 is past"},
+      {"qwen3_moe_f32", [](auto& c) { c["moe_intermediate_size"] = int64_t(1) << 40; }, "expert intermediate size"},
+      {"qwen3_moe_f32", [](auto& c) { c["max_position_embeddings"] = int64_t(1) << 50; }, "max_position_embeddings"},
+      {"qwen3_moe_f32", [](auto& c) { c["num_hidden_layers"] = 1000; c["num_experts"] = 16000; c["mlp_only_layers"] = nlohmann::json::array(); },
+       "imply 48032000 tensors"},
+      {"qwen3_moe_f32", [](auto& c) { c["rope_parameters"]["rope_theta"] = 1.0; }, "rope_theta must be a finite number above 1"},
+      {"qwen3_moe_f32", [](auto& c) { c["rms_norm_eps"] = 0; }, "rms_norm_eps"},
+      {"deepseek_v3_f32", [](auto& c) { c["kv_lora_rank"] = int64_t(1) << 40; }, "kv_lora_rank"},
+      {"deepseek_v3_f32", [](auto& c) { c["num_nextn_predict_layers"] = 1 << 30; }, "num_nextn_predict_layers"},
+      {"qwen3_moe_f32", [](auto& c) { c["eos_token_id"] = "</s>"; }, "eos_token_id must hold token ids"},
+      {"qwen3_moe_f32", [](auto& c) { c["eos_token_id"] = {1, 3000000000LL}; }, "eos_token_id must hold token ids"},
+      {"qwen3_moe_f32", [](auto& c) { c["bos_token_id"] = 2.5; }, "bos_token_id must hold token ids"},
+  };
+  for (const Case& c : cases) {
+    EditedFixture f(c.fixture, c.edit);
+    const Error e = expect_error([&] { load_model_config(f.dir.str()); });
+    EXPECT_EQ(e.kind(), ErrorKind::kConfig) << c.says << ": " << e.message();
+    EXPECT_NE(e.message().find(c.says), std::string::npos) << e.message();
+  }
 }
 
 TEST(ModelErrors, WrongShapeNamesTheTensor) {

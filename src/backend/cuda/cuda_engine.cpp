@@ -297,7 +297,8 @@ struct Engine::State {
     std::fill_n(table, max_blocks, 0);  // block 0 is the scratch block of padding rows
     if (s) std::copy(s->blocks.begin(), s->blocks.end(), table);
   }
-  void write_sampling(int row, const SamplingParams& p, const Sequence* s) {
+  void write_sampling(int row, const SamplingParams& params, const Sequence* s) {
+    const SamplingParams p = effective_sampling(params, config.vocab_size);  // as the CPU sampler
     host(meta.temperature)[row] = p.temperature;
     host(meta.top_k)[row] = p.top_k;
     host(meta.top_p)[row] = p.top_p;
