@@ -3,13 +3,10 @@
 #include "io/tokenizer.h"
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 
 #include <nlohmann/json.hpp>
 
+#include "io/regular_file.h"
 #include "io/tokenizer_impl.h"
 #include "io/unicode_util.h"
 #include "moe/errors.h"
@@ -497,22 +494,7 @@ struct Loader {
 }  // namespace
 
 Tokenizer Tokenizer::from_file(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    MOE_THROW(kIo, "tokenizer file '{}' is a directory", path);
-  std::ifstream in(path, std::ios::binary);
-  if (!in) MOE_THROW(kIo, "cannot open tokenizer file '{}': {}", path, std::strerror(errno));
-  std::string text;
-  in.seekg(0, std::ios::end);
-  const std::streamoff size = in.tellg();
-  in.seekg(0, std::ios::beg);
-  if (size > 0) {
-    text.resize(static_cast<size_t>(size));
-    in.read(text.data(), size);
-  }
-  if (size < 0 || in.bad() || (size > 0 && in.gcount() != size))
-    MOE_THROW(kIo, "cannot read tokenizer file '{}': {}", path, std::strerror(errno));
-  return from_json_text(text, path);
+  return from_json_text(read_regular_file(path, kMaxFileBytes), path);
 }
 
 Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& origin) {

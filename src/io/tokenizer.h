@@ -22,9 +22,13 @@ namespace moe {
 
 class Tokenizer {
  public:
+  // tokenizer.json files in use are under 40 MB.
+  static constexpr uint64_t kMaxFileBytes = uint64_t(1) << 30;
+
   // Reads a Hugging Face tokenizer.json (model type BPE, byte-level). Throws moe::Error: kIo if the
-  // file is missing or unreadable, kFormat if it is malformed, kUnsupported for a model,
-  // normalizer, pre-tokenizer, post-processor or decoder type it does not implement (naming it).
+  // file is missing, unreadable, larger than kMaxFileBytes or not a regular file, kFormat if it is
+  // malformed, kUnsupported for a model, normalizer, pre-tokenizer, post-processor or decoder type
+  // it does not implement (naming it).
   static Tokenizer from_file(const std::string& tokenizer_json_path);
   // Same, from the text of a tokenizer.json; `origin` names it in error messages.
   static Tokenizer from_json_text(std::string_view json_text, const std::string& origin);
