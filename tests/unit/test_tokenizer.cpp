@@ -4,6 +4,7 @@
 // tokenizers whose expected ids follow from the BPE rules.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -467,6 +468,30 @@ TEST(TokenizerUnicode, NfcMatchesUnicodeData) {
   EXPECT_EQ(nfc("plain ascii"), "plain ascii");
   EXPECT_EQ(nfc("\xCC\x81 leading mark"), "\xCC\x81 leading mark");
   EXPECT_EQ(nfc("bad \xFF e\xCC\x81"), "bad \xFF \xC3\xA9");  // invalid bytes pass through
+}
+
+TEST(TokenizerUnicode, NfcShrinksTextByLessThanTheBound) {
+  using moe::unicode::kNfcMaxShrink;
+  using moe::unicode::nfc;
+  // The most NFC shrinks text (Python's unicodedata): U+1FBE (3 bytes, a singleton that
+  // decomposes to U+03B9) U+0308 U+0301 compose to U+0390, 7 bytes to 2.
+  const std::string worst = "\xE1\xBE\xBE\xCC\x88\xCC\x81";
+  EXPECT_EQ(nfc(worst), "\xCE\x90");
+  EXPECT_LE(worst.size(), kNfcMaxShrink * nfc(worst).size());
+  // Hangul L + V + T (9 bytes) compose to one syllable (3 bytes).
+  EXPECT_LE(9u, kNfcMaxShrink * nfc("\xE1\x84\x80\xE1\x85\xA1\xE1\x86\xA8").size());
+  // Every code point on its own (U+1FEF, 3 bytes, becomes '`', 1 byte).
+  size_t most = 0;
+  for (char32_t cp = 1; cp < 0x110000; ++cp) {
+    if (cp >= 0xD800 && cp < 0xE000) continue;
+    std::string s;
+    moe::unicode::utf8_append(s, cp);
+    const std::string n = nfc(s);
+    ASSERT_FALSE(n.empty());
+    EXPECT_LE(s.size(), kNfcMaxShrink * n.size()) << "U+" << std::hex << uint32_t(cp);
+    most = std::max(most, s.size() / n.size());
+  }
+  EXPECT_EQ(most, 3u);
 }
 
 TEST(TokenizerUnicode, LossyMatchesPython) {
