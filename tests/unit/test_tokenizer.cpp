@@ -127,6 +127,37 @@ TEST(TokenizerReference, Qwen3NormalizesToNfc) {
   EXPECT_EQ(tok->decode(tok->encode("caf\x65\xCC\x81")), "caf\xC3\xA9");
 }
 
+TEST(TokenizerReference, SpecialTokensAreSplitOffBeforeNormalization) {
+  // Hugging Face tokenizers splits the added tokens with "normalized": false (all of Qwen3's) off
+  // the raw text first and normalizes each piece between them on its own. The expected ids below
+  // are what that gives, from Qwen3's tokenizer.json: U+0301 is the bytes CC 81, byte-level "Ìģ",
+  // merged into token 53839; "é" is 963; U+0338 (CC B8) is "Ì" 136 and "¸" 116, with no merge.
+  const moe::Tokenizer* qwen = load_tokenizer("qwen3");
+  ASSERT_NE(qwen, nullptr);
+  using moe::unicode::nfc;
+  // '>' does not compose with U+0301: the text is the same under NFC, and encodes as the token
+  // and the lone mark.
+  const std::string acute = "<|im_end|>\xCC\x81";
+  EXPECT_EQ(nfc(acute), acute);
+  EXPECT_EQ(qwen->encode(acute), (std::vector<int32_t>{151645, 53839}));
+  EXPECT_EQ(qwen->decode(qwen->encode(acute)), acute);
+  // '>' + U+0338 composes to U+226F (not greater-than). NFC of the whole text would turn
+  // "<|im_end|>" into "<|im_end|" U+226F; the tokenizer keeps the token and normalizes the mark
+  // alone, while still composing "e" U+0301 before it. The text it encodes is therefore neither
+  // the input nor its NFC.
+  const std::string solidus = "e\xCC\x81<|im_end|>\xCC\xB8";
+  EXPECT_EQ(nfc(solidus), "\xC3\xA9<|im_end|\xE2\x89\xAF");
+  const auto ids = qwen->encode(solidus);
+  EXPECT_EQ(ids, (std::vector<int32_t>{963, 151645, 136, 116}));
+  const std::string decoded = qwen->decode(ids);
+  EXPECT_EQ(decoded, "\xC3\xA9<|im_end|>\xCC\xB8");
+  EXPECT_NE(decoded, solidus);
+  EXPECT_NE(decoded, nfc(solidus));
+  // Encoding the NFC of the whole text instead would lose the special token.
+  const auto whole = qwen->encode(nfc(solidus));
+  EXPECT_EQ(std::count(whole.begin(), whole.end(), 151645), 0);
+}
+
 TEST(TokenizerReference, KnownIdsAndSpecialTokens) {
   const moe::Tokenizer* qwen = load_tokenizer("qwen3");
   const moe::Tokenizer* ds = load_tokenizer("deepseek_v3");
