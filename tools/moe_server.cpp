@@ -342,11 +342,18 @@ struct Server {
       if (it == body.end() || !it->is_string()) bad("'prompt' must be a string", "prompt");
       text = it->get<std::string>();
     }
-    std::vector<int32_t> ids = tok.encode(text, /*add_special=*/true);
-    if (ids.empty()) bad("the prompt encodes to no tokens", is_chat ? "messages" : "prompt");
-    if (static_cast<int64_t>(ids.size()) >= context)
-      bad(fmt::format("the prompt has {} tokens; the context holds {}", ids.size(), context),
+    // The context must hold the prompt and one new token: counting stops past context - 1, so
+    // that a huge prompt is refused before it is tokenized in full.
+    std::vector<int32_t> ids;
+    try {
+      ids = tok.encode(text, /*add_special=*/true, static_cast<size_t>(context - 1));
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kInvalidArgument) throw;
+      bad(fmt::format("the prompt has more than {} tokens; the context holds {}", context - 1,
+                      context),
           is_chat ? "messages" : "prompt", 400, "context_length_exceeded");
+    }
+    if (ids.empty()) bad("the prompt encodes to no tokens", is_chat ? "messages" : "prompt");
     return ids;
   }
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <limits>
 #include <queue>
 
 #include "io/tokenizer_impl.h"
@@ -319,27 +320,40 @@ void Tokenizer::Impl::split_added(std::string_view text, const tok::TokenTrie& t
   if (start_offset < text.size()) out.emplace_back(-1, start_offset, text.size());
 }
 
+namespace {
+
+[[noreturn]] void throw_too_many_tokens(size_t max_tokens) {
+  MOE_THROW(kInvalidArgument, "the text encodes to more than {} tokens", max_tokens);
+}
+
+void check_count(const std::vector<int32_t>& out, size_t max_tokens) {
+  if (out.size() > max_tokens) throw_too_many_tokens(max_tokens);
+}
+
+}  // namespace
+
 void Tokenizer::Impl::encode_text(std::string_view text, tok::MatchData& md,
-                                  std::vector<int32_t>& out) const {
+                                  std::vector<int32_t>& out, size_t max_tokens) const {
   std::vector<std::tuple<int32_t, size_t, size_t>> segments;
   split_added(text, raw_trie, segments);
   for (const auto& [id, b, e] : segments) {
     if (id >= 0) {
       out.push_back(id);
+      check_count(out, max_tokens);
       continue;
     }
     std::string_view piece = text.substr(b, e - b);
     if (nfc) {
       const std::string normalized = unicode::nfc(piece);
-      encode_normalized(normalized, md, out);
+      encode_normalized(normalized, md, out, max_tokens);
     } else {
-      encode_normalized(piece, md, out);
+      encode_normalized(piece, md, out, max_tokens);
     }
   }
 }
 
 void Tokenizer::Impl::encode_normalized(std::string_view text, tok::MatchData& md,
-                                        std::vector<int32_t>& out) const {
+                                        std::vector<int32_t>& out, size_t max_tokens) const {
   std::vector<std::tuple<int32_t, size_t, size_t>> segments;
   split_added(text, normalized_trie, segments);
   std::vector<std::string_view> pieces, next;
@@ -348,6 +362,7 @@ void Tokenizer::Impl::encode_normalized(std::string_view text, tok::MatchData& m
   for (const auto& [id, b, e] : segments) {
     if (id >= 0) {
       out.push_back(id);
+      check_count(out, max_tokens);
       continue;
     }
     pieces.assign(1, text.substr(b, e - b));
@@ -372,7 +387,15 @@ void Tokenizer::Impl::encode_normalized(std::string_view text, tok::MatchData& m
       }
       pieces.swap(next);
     }
-    for (std::string_view p : pieces) bpe(p, out);
+    for (std::string_view p : pieces) {
+      // A pre-token of n bytes becomes at least n / bpe_bytes_per_token tokens: a long word that
+      // cannot fit is refused before the merging, the costly part, starts.
+      if (bpe_bytes_per_token > 0 &&
+          (p.size() + bpe_bytes_per_token - 1) / bpe_bytes_per_token > max_tokens - out.size())
+        throw_too_many_tokens(max_tokens);
+      bpe(p, out);
+      check_count(out, max_tokens);
+    }
   }
 }
 
@@ -465,14 +488,34 @@ void Tokenizer::Impl::check_id(int32_t id) const {
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special) const {
+  return encode(text, add_special, std::numeric_limits<size_t>::max());
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special,
+                                       size_t max_tokens) const {
+  const size_t per_token = impl_->max_bytes_per_token;
+  if (per_token > 0 && max_tokens < std::numeric_limits<size_t>::max() / per_token &&
+      text.size() > max_tokens * per_token)
+    MOE_THROW(kInvalidArgument,
+              "the text encodes to more than {} tokens (it has {} bytes, and no token stands for "
+              "more than {})",
+              max_tokens, text.size(), per_token);
   std::vector<int32_t> ids;
-  ids.reserve(text.size() / 3 + 4);
-  if (add_special) ids = impl_->prefix_ids;
+  ids.reserve(std::min(text.size() / 3, max_tokens) + 4);
+  if (add_special) {
+    ids.insert(ids.end(), impl_->prefix_ids.begin(), impl_->prefix_ids.end());
+    check_count(ids, max_tokens);
+  }
   tok::MatchData md;
-  impl_->encode_text(text, md, ids);
-  if (add_special) ids.insert(ids.end(), impl_->suffix_ids.begin(), impl_->suffix_ids.end());
+  impl_->encode_text(text, md, ids, max_tokens);
+  if (add_special) {
+    ids.insert(ids.end(), impl_->suffix_ids.begin(), impl_->suffix_ids.end());
+    check_count(ids, max_tokens);
+  }
   return ids;
 }
+
+size_t Tokenizer::max_bytes_per_token() const { return impl_->max_bytes_per_token; }
 
 std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special) const {
   std::string bytes;

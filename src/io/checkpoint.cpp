@@ -2,15 +2,21 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 
 #include <nlohmann/json.hpp>
 
+#include "io/regular_file.h"
 #include "moe/errors.h"
 
 namespace moe {
 
 namespace fs = std::filesystem;
+
+namespace {
+// An index names each tensor once (about 100 bytes a tensor): 256 MiB is millions of tensors, far
+// more than any checkpoint has.
+constexpr uint64_t kMaxIndexBytes = 256ull << 20;
+}  // namespace
 
 Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
   MOE_CHECK(fs::is_directory(dir), kIo, "model directory {} does not exist", dir);
@@ -19,10 +25,10 @@ Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
   std::vector<std::string> shard_names;
   std::map<std::string, std::string> weight_map;
   if (fs::exists(index_path)) {
-    std::ifstream in(index_path);
+    const std::string text = read_regular_file(index_path.string(), kMaxIndexBytes);
     nlohmann::json index;
     try {
-      index = nlohmann::json::parse(in);
+      index = nlohmann::json::parse(text);
     } catch (const nlohmann::json::exception& e) {
       MOE_THROW(kFormat, "{} is not valid JSON ({})", index_path.string(), e.what());
     }

@@ -1,9 +1,13 @@
 #include "io/hf_config.h"
 
-#include <filesystem>
-#include <fstream>
+#include "io/regular_file.h"
 
 namespace moe {
+
+namespace {
+// Configs are a few kilobytes; the bound only keeps a huge file from being read into memory.
+constexpr uint64_t kMaxConfigBytes = 64ull << 20;
+}  // namespace
 
 HfConfig::HfConfig(nlohmann::json root, std::string origin)
     : root_(std::move(root)), origin_(std::move(origin)) {
@@ -11,12 +15,10 @@ HfConfig::HfConfig(nlohmann::json root, std::string origin)
 }
 
 HfConfig HfConfig::from_file(const std::string& path) {
-  MOE_CHECK(std::filesystem::is_regular_file(path), kIo, "missing {}", path);
-  std::ifstream in(path);
-  MOE_CHECK(in.good(), kIo, "cannot read {}", path);
+  const std::string text = read_regular_file(path, kMaxConfigBytes);
   nlohmann::json root;
   try {
-    root = nlohmann::json::parse(in);
+    root = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     MOE_THROW(kFormat, "{} is not valid JSON ({})", path, e.what());
   }

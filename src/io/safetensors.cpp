@@ -1,9 +1,6 @@
 #include "io/safetensors.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -12,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "io/regular_file.h"
 #include "moe/errors.h"
 
 namespace moe {
@@ -110,20 +108,11 @@ std::vector<TensorInfo> parse_safetensors_buffer(const uint8_t* bytes, uint64_t 
 }
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  MOE_CHECK(fd >= 0, kIo, "cannot open {}: {}", path, std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    MOE_THROW(kIo, "{} is not a regular file", path);
-  }
-  uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size < 8) {
-    ::close(fd);
-    MOE_THROW(kIo, "{} is truncated: {} bytes, fewer than the 8-byte header length", path, size);
-  }
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
+  const RegularFile file(path);
+  const uint64_t size = file.size();
+  MOE_CHECK(size >= 8, kIo, "{} is truncated: {} bytes, fewer than the 8-byte header length", path,
+            size);
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, file.fd(), 0);
   MOE_CHECK(map != MAP_FAILED, kIo, "cannot map {}: {}", path, std::strerror(errno));
   map_ = map;
   map_size_ = size;

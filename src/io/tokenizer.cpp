@@ -3,13 +3,11 @@
 #include "io/tokenizer.h"
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
+#include <array>
 
 #include <nlohmann/json.hpp>
 
+#include "io/regular_file.h"
 #include "io/tokenizer_impl.h"
 #include "io/unicode_util.h"
 #include "moe/errors.h"
@@ -44,6 +42,30 @@ bool get_bool(const json& j, const char* key, bool fallback) {
   return it->get<bool>();
 }
 
+// The bytes a token decodes to under ByteLevel: each character of the token is mapped back to its
+// byte; a token with a character outside the byte alphabet (e.g. DeepSeek's
+// "<｜begin▁of▁sentence｜>") is taken as its UTF-8 text, as tokenizers' ByteLevel decoder does.
+std::string byte_level_bytes(const std::string& token) {
+  static const std::array<int16_t, 512> c2b = [] {  // the byte alphabet lies below U+0200
+    std::array<int16_t, 512> table;
+    table.fill(-1);
+    const auto& b2c = unicode::byte_to_char();
+    for (int b = 0; b < 256; ++b) table[b2c[b]] = static_cast<int16_t>(b);
+    return table;
+  }();
+  std::string bytes;
+  bytes.reserve(token.size());
+  for (size_t i = 0; i < token.size();) {
+    const size_t len = unicode::utf8_valid_len(token, i);
+    if (!len) return token;
+    const char32_t cp = unicode::utf8_decode(token, i, len);
+    if (cp >= c2b.size() || c2b[cp] < 0) return token;
+    bytes.push_back(static_cast<char>(c2b[cp]));
+    i += len;
+  }
+  return bytes;
+}
+
 // Parsed text of one merge: the two tokens concatenated, and where the second one starts.
 struct RawMerge {
   std::string joined;
@@ -60,7 +82,8 @@ class TokenizerSax : public nlohmann::json_sax<json> {
   json root;
   std::vector<RawMerge> merges;
   bool have_vocab = false, have_merges = false;
-  std::string error;  // the first problem found, if any
+  std::string error;          // the first problem found, if any
+  bool syntax_error = false;  // error is the JSON parser's (else a value this loader refuses)
 
   bool null() override { return value(json()); }
   bool boolean(bool v) override { return value(v); }
@@ -69,23 +92,24 @@ class TokenizerSax : public nlohmann::json_sax<json> {
   }
   bool number_unsigned(number_unsigned_t v) override {
     return mode() == Mode::kVocab
-               ? vocab_entry(static_cast<int64_t>(std::min<uint64_t>(v, 1ull << 40)))
+               ? vocab_entry(static_cast<int64_t>(std::min<uint64_t>(v, uint64_t(1) << 40)))
                : value(v);
   }
   bool number_float(number_float_t v, const string_t&) override {
     if (mode() == Mode::kVocab)
-      return fail(fmt::format("vocab entry '{}' has a non-integer id", key_));
+      return fail(fmt::format("model.vocab['{}'] id is not an integer", key_));
     return value(v);
   }
   bool binary(binary_t&) override { return fail("unexpected binary value"); }
   bool string(string_t& v) override {
     switch (mode()) {
       case Mode::kVocab:
-        return fail(fmt::format("vocab entry '{}' has a non-integer id", key_));
+        return fail(fmt::format("model.vocab['{}'] id is not an integer", key_));
       case Mode::kMerges: {
         const size_t sp = v.find(' ');
         if (sp == std::string::npos)
           return fail(fmt::format("merge #{} '{}' is not of the form 'a b'", merges.size(), v));
+        if (!room_for_merge()) return false;
         v.erase(sp, 1);
         merges.push_back({std::move(v), static_cast<uint32_t>(sp)});
         return true;
@@ -136,6 +160,7 @@ class TokenizerSax : public nlohmann::json_sax<json> {
     if (mode() == Mode::kMergePair) {
       if (pair_parts_ != 2)
         return fail(fmt::format("merge #{} is not a pair of strings", merges.size()));
+      if (!room_for_merge()) return false;
       merges.push_back({std::move(pair_text_), pair_split_});
       pair_text_.clear();
     }
@@ -144,6 +169,7 @@ class TokenizerSax : public nlohmann::json_sax<json> {
   }
   bool parse_error(std::size_t, const std::string&,
                    const nlohmann::detail::exception& ex) override {
+    if (error.empty()) syntax_error = true;
     return fail(ex.what());
   }
 
@@ -168,11 +194,24 @@ class TokenizerSax : public nlohmann::json_sax<json> {
     return false;
   }
 
+  // The limits are checked as entries stream in, so that the map and the merge list never grow
+  // past them.
   bool vocab_entry(int64_t id) {
-    if (id < 0 || id >= (int64_t(1) << 30))
-      return fail(fmt::format("vocab entry '{}' has id {} out of range", key_, id));
+    if (id < 0)
+      return fail(fmt::format("model.vocab['{}'] has a negative id {}", key_, id));
+    if (id > Tokenizer::kMaxTokenId)
+      return fail(fmt::format("model.vocab['{}'] id {} is past the largest supported id {}", key_,
+                              id, Tokenizer::kMaxTokenId));
+    if (vocab_.size() >= Tokenizer::kMaxVocabEntries && !vocab_.count(key_))
+      return fail(fmt::format("model.vocab has more than the {} entries supported",
+                              Tokenizer::kMaxVocabEntries));
     vocab_.insert_or_assign(std::move(key_), static_cast<int32_t>(id));
     return true;
+  }
+  bool room_for_merge() {
+    if (merges.size() < Tokenizer::kMaxMerges) return true;
+    return fail(fmt::format("model.merges has more than the {} entries supported",
+                            Tokenizer::kMaxMerges));
   }
 
   json* place(json&& v) {
@@ -214,6 +253,19 @@ struct Loader {
   Tokenizer::Impl& t;
   const std::string& origin;
   const TokenizerSax& sax;
+
+  // A token id read from the file; `field` names where, e.g. "added_tokens[3].id".
+  int32_t token_id(const json& v, const std::string& field) const {
+    MOE_CHECK(v.is_number_integer(), kFormat, "{}: {} is {}, not an integer token id", origin,
+              field, one_line(v.dump()));
+    MOE_CHECK(v.is_number_unsigned() || v.get<int64_t>() >= 0, kFormat,
+              "{}: {} is a negative token id {}", origin, field, v.get<int64_t>());
+    const uint64_t id = v.get<uint64_t>();
+    MOE_CHECK(id <= uint64_t(Tokenizer::kMaxTokenId), kFormat,
+              "{}: {} {} is past the largest supported id {}", origin, field, id,
+              Tokenizer::kMaxTokenId);
+    return static_cast<int32_t>(id);
+  }
 
   void model(const json& m) {
     MOE_CHECK(m.is_object(), kFormat, "{}: \"model\" is missing or not an object", origin);
@@ -380,7 +432,12 @@ struct Loader {
         const std::string name = st->at("id").get<std::string>();
         std::vector<int32_t> ids;
         if (auto s = specials.find(name); s != specials.end() && s->contains("ids")) {
-          for (const json& id : s->at("ids")) ids.push_back(id.get<int32_t>());
+          const json& list = s->at("ids");
+          MOE_CHECK(list.is_array(), kFormat,
+                    "{}: post_processor.special_tokens['{}'].ids is not an array", origin, name);
+          for (size_t k = 0; k < list.size(); ++k)
+            ids.push_back(token_id(
+                list[k], fmt::format("post_processor.special_tokens['{}'].ids[{}]", name, k)));
         } else {
           ids.push_back(special_id(name));
         }
@@ -388,8 +445,8 @@ struct Loader {
         dst.insert(dst.end(), ids.begin(), ids.end());
       }
     } else if (type == "BertProcessing" || type == "RobertaProcessing") {
-      prefix.push_back(p.at("cls").at(1).get<int32_t>());
-      suffix.push_back(p.at("sep").at(1).get<int32_t>());
+      prefix.push_back(token_id(p.at("cls").at(1), "post_processor.cls[1]"));
+      suffix.push_back(token_id(p.at("sep").at(1), "post_processor.sep[1]"));
     } else {
       MOE_THROW(kUnsupported,
                 "{}: post-processor type '{}' is not supported (TemplateProcessing, Bert, Roberta, "
@@ -420,12 +477,16 @@ struct Loader {
   void added_tokens(const json& a) {
     if (a.is_null()) return;
     MOE_CHECK(a.is_array(), kFormat, "{}: \"added_tokens\" is not an array", origin);
-    for (const json& e : a) {
+    MOE_CHECK(a.size() <= Tokenizer::kMaxAddedTokens, kFormat,
+              "{}: added_tokens has {} entries, more than the {} supported", origin, a.size(),
+              Tokenizer::kMaxAddedTokens);
+    t.added.reserve(a.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      const json& e = a[i];
+      MOE_CHECK(e.is_object(), kFormat, "{}: added_tokens[{}] is not an object", origin, i);
       tok::AddedToken tk;
-      tk.id = e.at("id").get<int32_t>();
+      tk.id = token_id(e.at("id"), fmt::format("added_tokens[{}].id", i));
       tk.content = e.at("content").get<std::string>();
-      MOE_CHECK(tk.id >= 0 && tk.id < (1 << 30), kFormat,
-                "{}: added token '{}' has id {} out of range", origin, tk.content, tk.id);
       tk.single_word = get_bool(e, "single_word", false);
       tk.lstrip = get_bool(e, "lstrip", false);
       tk.rstrip = get_bool(e, "rstrip", false);
@@ -436,6 +497,8 @@ struct Loader {
     }
   }
 
+  // Builds the tables indexed by id. They are sized by the largest id, so that id is first
+  // checked against the number of entries: the tables stay proportional to the file.
   void finish() {
     for (size_t i = 0; i < t.added.size(); ++i) {
       const tok::AddedToken& tk = t.added[i];
@@ -446,6 +509,7 @@ struct Loader {
       else
         t.raw_trie.insert(tk.content, static_cast<int32_t>(i));
     }
+    check_id_density();
     int32_t max_id = -1;
     for (const auto& [token, id] : t.vocab) max_id = std::max(max_id, id);
     for (const auto& tk : t.added) max_id = std::max(max_id, tk.id);
@@ -453,66 +517,94 @@ struct Loader {
     t.id_token.assign(n, {});
     t.id_known.assign(n, 0);
     t.id_special.assign(n, 0);
+    t.id_bytes.assign(n, {});
     for (const auto& [token, id] : t.vocab) {
+      MOE_CHECK(!t.id_known[id], kFormat,
+                "{}: model.vocab['{}'] and model.vocab['{}'] both have id {}", origin,
+                one_line(t.id_token[id]), one_line(token), id);
       t.id_token[id] = token;
       t.id_known[id] = 1;
     }
-    for (const auto& tk : t.added) {  // the added vocabulary wins, as in tokenizers
+    // The longest text one BPE token covers, measured before added tokens take over some ids.
+    size_t longest_bpe = 0;
+    for (size_t id = 0; id < n; ++id) {
+      if (!t.id_known[id]) continue;
+      t.id_bytes[id] = byte_level_bytes(t.id_token[id]);
+      longest_bpe = std::max(longest_bpe, t.id_bytes[id].size());
+    }
+    size_t longest_added = 0;
+    std::vector<int32_t> added_at(n, -1);  // index in added_tokens of each id taken
+    for (size_t i = 0; i < t.added.size(); ++i) {  // the added vocabulary wins, as in tokenizers
+      const tok::AddedToken& tk = t.added[i];
+      MOE_CHECK(added_at[tk.id] < 0, kFormat,
+                "{}: added_tokens[{}] and added_tokens[{}] both have id {}", origin,
+                added_at[tk.id], i, tk.id);
+      added_at[tk.id] = static_cast<int32_t>(i);
       t.id_token[tk.id] = tk.content;
       t.id_known[tk.id] = 1;
       t.id_special[tk.id] = tk.special ? 1 : 0;
+      t.id_bytes[tk.id] = byte_level_bytes(tk.content);
+      // A normalized token is matched in the normalized text, where it may be longer.
+      const size_t matched =
+          tk.normalized && t.nfc ? unicode::nfc(tk.content).size() : tk.content.size();
+      longest_added = std::max({longest_added, tk.content.size(), matched});
     }
-    // ByteLevel decoding: each character of a token is mapped back to its byte; a token with a
-    // character outside the byte alphabet (e.g. DeepSeek's "<｜begin▁of▁sentence｜>") is taken as
-    // its UTF-8 text, as tokenizers' ByteLevel decoder does.
-    std::array<int16_t, 512> c2b;  // the byte alphabet lies below U+0200
-    c2b.fill(-1);
-    const auto& b2c = unicode::byte_to_char();
-    for (int b = 0; b < 256; ++b) c2b[b2c[b]] = static_cast<int16_t>(b);
-    t.id_bytes.assign(n, {});
-    for (size_t id = 0; id < n; ++id) {
-      const std::string& token = t.id_token[id];
-      std::string bytes;
-      bytes.reserve(token.size());
-      bool mapped = true;
-      for (size_t i = 0; i < token.size();) {
-        const size_t len = unicode::utf8_valid_len(token, i);
-        if (!len) {
-          mapped = false;
-          break;
-        }
-        const char32_t cp = unicode::utf8_decode(token, i, len);
-        if (cp >= c2b.size() || c2b[cp] < 0) {
-          mapped = false;
-          break;
-        }
-        bytes.push_back(static_cast<char>(c2b[cp]));
-        i += len;
-      }
-      t.id_bytes[id] = mapped ? std::move(bytes) : token;
+    for (const auto* list : {&t.prefix_ids, &t.suffix_ids})
+      for (int32_t id : *list)
+        MOE_CHECK(static_cast<size_t>(id) < n && t.id_known[id], kFormat,
+                  "{}: post_processor adds id {}, which is no token", origin, id);
+    set_length_bounds(longest_bpe, longest_added);
+  }
+
+  // The largest id may be at most twice the number of entries (vocabulary and added tokens) plus
+  // Tokenizer::kIdSlack, so that a few entries cannot size the id tables by a huge id.
+  void check_id_density() const {
+    int64_t max_vocab = -1, max_added = -1;
+    const std::string* max_vocab_token = nullptr;
+    size_t max_added_index = 0;
+    for (const auto& [token, id] : t.vocab) {
+      if (id <= max_vocab) continue;
+      max_vocab = id;
+      max_vocab_token = &token;
     }
+    for (size_t i = 0; i < t.added.size(); ++i) {
+      if (t.added[i].id <= max_added) continue;
+      max_added = t.added[i].id;
+      max_added_index = i;
+    }
+    const int64_t entries = static_cast<int64_t>(t.vocab.size() + t.added.size());
+    const int64_t largest = 2 * entries + Tokenizer::kIdSlack - 1;
+    if (std::max(max_vocab, max_added) <= largest) return;
+    const std::string field =
+        max_added > max_vocab ? fmt::format("added_tokens[{}].id", max_added_index)
+                              : fmt::format("model.vocab['{}'] id", one_line(*max_vocab_token));
+    MOE_THROW(kFormat,
+              "{}: {} {} leaves most ids unused: {} tokens may use ids up to {} (twice their "
+              "number plus {})",
+              origin, field, std::max(max_vocab, max_added), entries, largest,
+              Tokenizer::kIdSlack);
+  }
+
+  // Bounds for encode's token limit (see Tokenizer::max_bytes_per_token).
+  void set_length_bounds(size_t longest_bpe, size_t longest_added) {
+    // When every byte has its own token, a BPE token is the merge of longest_bpe bytes at most.
+    bool every_byte_kept = true;
+    for (int32_t id : t.byte_id) every_byte_kept = every_byte_kept && id >= 0 && id != t.unk_id;
+    t.bpe_bytes_per_token = every_byte_kept ? longest_bpe : 0;
+    // Text also vanishes into a token that strips spaces, or in a Split that removes matches.
+    bool text_kept = every_byte_kept;
+    for (const auto& tk : t.added) text_kept = text_kept && !tk.lstrip && !tk.rstrip;
+    for (const auto& pt : t.pre_tokenizers)
+      text_kept = text_kept && pt.behavior != tok::SplitBehavior::kRemoved;
+    const size_t longest = std::max(longest_bpe, longest_added);
+    t.max_bytes_per_token = text_kept ? longest * (t.nfc ? unicode::kNfcMaxShrink : 1) : 0;
   }
 };
 
 }  // namespace
 
 Tokenizer Tokenizer::from_file(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    MOE_THROW(kIo, "tokenizer file '{}' is a directory", path);
-  std::ifstream in(path, std::ios::binary);
-  if (!in) MOE_THROW(kIo, "cannot open tokenizer file '{}': {}", path, std::strerror(errno));
-  std::string text;
-  in.seekg(0, std::ios::end);
-  const std::streamoff size = in.tellg();
-  in.seekg(0, std::ios::beg);
-  if (size > 0) {
-    text.resize(static_cast<size_t>(size));
-    in.read(text.data(), size);
-  }
-  if (size < 0 || in.bad() || (size > 0 && in.gcount() != size))
-    MOE_THROW(kIo, "cannot read tokenizer file '{}': {}", path, std::strerror(errno));
-  return from_json_text(text, path);
+  return from_json_text(read_regular_file(path, kMaxFileBytes), path);
 }
 
 Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& origin) {
@@ -525,10 +617,14 @@ Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& or
     ok = json::sax_parse(text.begin(), text.end(), &sax);
   } catch (const json::exception& e) {
     sax.error = e.what();
+    sax.syntax_error = true;
   }
-  if (!ok || !sax.error.empty())
+  if (!ok || !sax.error.empty()) {
+    if (!sax.error.empty() && !sax.syntax_error)
+      MOE_THROW(kFormat, "{}: {}", origin, one_line(sax.error));
     MOE_THROW(kFormat, "{}: malformed tokenizer JSON: {}", origin,
               one_line(sax.error.empty() ? "parse failed" : sax.error));
+  }
   const json& j = sax.root;
   MOE_CHECK(j.is_object(), kFormat, "{}: tokenizer JSON is not an object", origin);
   Loader loader{*impl, origin, sax};

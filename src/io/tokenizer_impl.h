@@ -132,6 +132,12 @@ struct Tokenizer::Impl {
   std::vector<uint8_t> id_special;
   std::vector<uint8_t> id_known;
 
+  // Bounds for encode's token limit (see Tokenizer::max_bytes_per_token). bpe_bytes_per_token:
+  // the most bytes of a pre-token one BPE token covers, valid when every byte has its own
+  // byte-level token (nothing is dropped or fused), else 0.
+  size_t bpe_bytes_per_token = 0;
+  size_t max_bytes_per_token = 0;
+
   // Bounded cache of BPE results per pre-token (bytes -> ids).
   static constexpr size_t kCacheCapacity = 1 << 15;
   static constexpr size_t kCacheMaxWord = 256;
@@ -143,9 +149,11 @@ struct Tokenizer::Impl {
     return (uint64_t(uint32_t(a)) << 32) | uint32_t(b);
   }
 
-  void encode_text(std::string_view text, tok::MatchData& md, std::vector<int32_t>& out) const;
-  void encode_normalized(std::string_view text, tok::MatchData& md,
-                         std::vector<int32_t>& out) const;
+  // Append the ids of text to out; throw kInvalidArgument once out holds more than max_tokens.
+  void encode_text(std::string_view text, tok::MatchData& md, std::vector<int32_t>& out,
+                   size_t max_tokens) const;
+  void encode_normalized(std::string_view text, tok::MatchData& md, std::vector<int32_t>& out,
+                         size_t max_tokens) const;
   void bpe(std::string_view word, std::vector<int32_t>& out) const;
   void bpe_uncached(std::string_view word, std::vector<int32_t>& out) const;
   // Splits text on the added tokens of trie: (token id or -1, begin, end) in order.

@@ -42,6 +42,13 @@ uint8_t combining_class(char32_t cp);
 // cannot change under NFC (the common case) is returned without allocation-heavy work.
 std::string nfc(std::string_view s);
 
+// NFC never makes text more than this many times shorter in bytes. Each output character stands
+// for the code points of its full canonical decomposition (at most 4), each of which the input may
+// have written as the longest code point that decomposes to it alone. The worst case, 3.5x in
+// Unicode 14, is U+1FBE U+0308 U+0301 (7 bytes) composing to U+0390 (2 bytes). Invalid bytes are
+// kept as they are.
+constexpr size_t kNfcMaxShrink = 4;
+
 // The GPT-2 byte-level alphabet: byte b is written as the code point byte_to_char()[b], so that
 // every byte becomes a printable, non-space character.
 const std::array<char32_t, 256>& byte_to_char();

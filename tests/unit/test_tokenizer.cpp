@@ -4,6 +4,7 @@
 // tokenizers whose expected ids follow from the BPE rules.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -124,6 +125,37 @@ TEST(TokenizerReference, Qwen3NormalizesToNfc) {
   // "e" + combining acute encodes like the precomposed "é".
   EXPECT_EQ(tok->encode("caf\x65\xCC\x81"), tok->encode("caf\xC3\xA9"));
   EXPECT_EQ(tok->decode(tok->encode("caf\x65\xCC\x81")), "caf\xC3\xA9");
+}
+
+TEST(TokenizerReference, SpecialTokensAreSplitOffBeforeNormalization) {
+  // Hugging Face tokenizers splits the added tokens with "normalized": false (all of Qwen3's) off
+  // the raw text first and normalizes each piece between them on its own. The expected ids below
+  // are what that gives, from Qwen3's tokenizer.json: U+0301 is the bytes CC 81, byte-level "Ìģ",
+  // merged into token 53839; "é" is 963; U+0338 (CC B8) is "Ì" 136 and "¸" 116, with no merge.
+  const moe::Tokenizer* qwen = load_tokenizer("qwen3");
+  ASSERT_NE(qwen, nullptr);
+  using moe::unicode::nfc;
+  // '>' does not compose with U+0301: the text is the same under NFC, and encodes as the token
+  // and the lone mark.
+  const std::string acute = "<|im_end|>\xCC\x81";
+  EXPECT_EQ(nfc(acute), acute);
+  EXPECT_EQ(qwen->encode(acute), (std::vector<int32_t>{151645, 53839}));
+  EXPECT_EQ(qwen->decode(qwen->encode(acute)), acute);
+  // '>' + U+0338 composes to U+226F (not greater-than). NFC of the whole text would turn
+  // "<|im_end|>" into "<|im_end|" U+226F; the tokenizer keeps the token and normalizes the mark
+  // alone, while still composing "e" U+0301 before it. The text it encodes is therefore neither
+  // the input nor its NFC.
+  const std::string solidus = "e\xCC\x81<|im_end|>\xCC\xB8";
+  EXPECT_EQ(nfc(solidus), "\xC3\xA9<|im_end|\xE2\x89\xAF");
+  const auto ids = qwen->encode(solidus);
+  EXPECT_EQ(ids, (std::vector<int32_t>{963, 151645, 136, 116}));
+  const std::string decoded = qwen->decode(ids);
+  EXPECT_EQ(decoded, "\xC3\xA9<|im_end|>\xCC\xB8");
+  EXPECT_NE(decoded, solidus);
+  EXPECT_NE(decoded, nfc(solidus));
+  // Encoding the NFC of the whole text instead would lose the special token.
+  const auto whole = qwen->encode(nfc(solidus));
+  EXPECT_EQ(std::count(whole.begin(), whole.end(), 151645), 0);
 }
 
 TEST(TokenizerReference, KnownIdsAndSpecialTokens) {
@@ -467,6 +499,30 @@ TEST(TokenizerUnicode, NfcMatchesUnicodeData) {
   EXPECT_EQ(nfc("plain ascii"), "plain ascii");
   EXPECT_EQ(nfc("\xCC\x81 leading mark"), "\xCC\x81 leading mark");
   EXPECT_EQ(nfc("bad \xFF e\xCC\x81"), "bad \xFF \xC3\xA9");  // invalid bytes pass through
+}
+
+TEST(TokenizerUnicode, NfcShrinksTextByLessThanTheBound) {
+  using moe::unicode::kNfcMaxShrink;
+  using moe::unicode::nfc;
+  // The most NFC shrinks text (Python's unicodedata): U+1FBE (3 bytes, a singleton that
+  // decomposes to U+03B9) U+0308 U+0301 compose to U+0390, 7 bytes to 2.
+  const std::string worst = "\xE1\xBE\xBE\xCC\x88\xCC\x81";
+  EXPECT_EQ(nfc(worst), "\xCE\x90");
+  EXPECT_LE(worst.size(), kNfcMaxShrink * nfc(worst).size());
+  // Hangul L + V + T (9 bytes) compose to one syllable (3 bytes).
+  EXPECT_LE(9u, kNfcMaxShrink * nfc("\xE1\x84\x80\xE1\x85\xA1\xE1\x86\xA8").size());
+  // Every code point on its own (U+1FEF, 3 bytes, becomes '`', 1 byte).
+  size_t most = 0;
+  for (char32_t cp = 1; cp < 0x110000; ++cp) {
+    if (cp >= 0xD800 && cp < 0xE000) continue;
+    std::string s;
+    moe::unicode::utf8_append(s, cp);
+    const std::string n = nfc(s);
+    ASSERT_FALSE(n.empty());
+    EXPECT_LE(s.size(), kNfcMaxShrink * n.size()) << "U+" << std::hex << uint32_t(cp);
+    most = std::max(most, s.size() / n.size());
+  }
+  EXPECT_EQ(most, 3u);
 }
 
 TEST(TokenizerUnicode, LossyMatchesPython) {
