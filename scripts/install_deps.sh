@@ -5,7 +5,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 packages=(build-essential cmake ccache pkg-config nlohmann-json3-dev libcli11-dev libfmt-dev
-          libpcre2-dev libgtest-dev libgmock-dev clang libclang-rt-14-dev libcpp-httplib-dev curl)
+          libpcre2-dev libgtest-dev libgmock-dev clang libclang-rt-14-dev libboost-dev zlib1g-dev
+          libbrotli-dev brotli curl python3)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 command -v npm >/dev/null 2>&1 || missing+=(npm)

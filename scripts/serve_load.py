@@ -5,7 +5,10 @@ completions, CONCURRENCY of them in flight at once, prompts of mixed lengths; pr
 streamed events/s, and time-to-first-token and inter-token-latency percentiles measured at the
 client from the arrival of each server-sent event.
 
-    python3 scripts/serve_load.py URL [REQUESTS=64] [CONCURRENCY=16] [MAX_TOKENS=32]
+    python3 scripts/serve_load.py URL [REQUESTS=64] [CONCURRENCY=16] [MAX_TOKENS=32] [TEMPERATURE=0]
+
+A TEMPERATURE above 0 samples, with the request's index as its seed so that runs repeat; a
+sampled request may draw an EOS early, so events/s counts the tokens that arrived.
 """
 import http.client
 import json
@@ -17,11 +20,12 @@ import urllib.parse
 WORDS = "the quick brown fox jumps over a lazy dog while experts route tokens".split()
 
 
-def one(url, i, max_tokens):
+def one(url, i, max_tokens, temperature):
     prompt = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(4 + (i * 37) % 120))
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True})
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": i,
+                       "stream": True})
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     res = conn.getresponse()
@@ -47,10 +51,12 @@ def percentiles(xs):
 
 def main():
     if len(sys.argv) < 2:
-        print("usage: python3 scripts/serve_load.py URL [REQUESTS] [CONCURRENCY] [MAX_TOKENS]", file=sys.stderr)
+        print("usage: python3 scripts/serve_load.py URL [REQUESTS] [CONCURRENCY] [MAX_TOKENS] [TEMPERATURE]",
+              file=sys.stderr)
         sys.exit(2)
     url = sys.argv[1]
     requests, concurrency, max_tokens = (int(a) for a in (sys.argv[2:] + ["64", "16", "32"][len(sys.argv) - 2:])[:3])
+    temperature = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
     results, errors, lock = [], [], threading.Lock()
     counter = iter(range(requests))
 
@@ -61,7 +67,7 @@ def main():
             if i is None:
                 return
             try:
-                r = one(url, i, max_tokens)
+                r = one(url, i, max_tokens, temperature)
                 with lock:
                     results.append(r)
             except Exception as e:  # reported below; the run fails
@@ -79,7 +85,8 @@ def main():
         print("error: " + errors[0], file=sys.stderr)
         sys.exit(1)
     tokens = sum(r["tokens"] for r in results)
-    print(f"requests {len(results)}, concurrency {concurrency}, max_tokens {max_tokens}, {seconds:.2f} s")
+    print(f"requests {len(results)}, concurrency {concurrency}, max_tokens {max_tokens}, temperature {temperature}, "
+          f"{seconds:.2f} s")
     print(f"requests/s {len(results) / seconds:.2f}, streamed events/s {tokens / seconds:.1f}")
     print(f"time to first token: {percentiles([r['ttft'] for r in results])}")
     print(f"inter-token latency: {percentiles([g for r in results for g in r['gaps']])}")

@@ -26,12 +26,22 @@ if [ "${MOE_SKIP_FUZZ:-0}" != 1 ]; then
   echo "== fuzz targets (${MOE_FUZZ_SECONDS:-20} s each)"
   cmake --preset fuzz
   cmake --build --preset fuzz -j "$jobs"
-  for target in safetensors tokenizer; do
+  # The library is instrumented too, so each target explores the parser it drives. A crash
+  # fails the stage with the fuzzer's report; its input then becomes a unit test.
+  for target in safetensors tokenizer config chat_template http; do
     corpus=$(mktemp -d)
+    log=$(mktemp)
     cp fuzz/corpus/$target/* "$corpus"/
-    build/fuzz/fuzz/fuzz-$target "$corpus" -max_total_time="${MOE_FUZZ_SECONDS:-20}" \
-      -rss_limit_mb=4096 -print_final_stats=0 2>&1 | tail -n 2
-    rm -rf "$corpus"
+    dict=()
+    [ -f "fuzz/$target.dict" ] && dict=(-dict="fuzz/$target.dict")
+    if ! build/fuzz/fuzz/fuzz-$target "$corpus" "${dict[@]}" -max_total_time="${MOE_FUZZ_SECONDS:-20}" \
+        -rss_limit_mb=4096 -print_final_stats=0 >"$log" 2>&1; then
+      echo "fuzz-$target FAILED:"
+      tail -n 40 "$log"
+      exit 1
+    fi
+    echo "fuzz-$target: $(grep -oE '#[0-9]+ *DONE.*' "$log" | tail -n 1)"
+    rm -rf "$corpus" "$log"
   done
 fi
 echo "all test stages passed"

@@ -52,7 +52,8 @@ std::string tokenizer_path(const std::string& model_dir, const std::string& expl
   namespace fs = std::filesystem;
   std::string path = explicit_path.empty() ? (fs::path(model_dir) / "tokenizer.json").string()
                                            : explicit_path;
-  MOE_CHECK(fs::is_regular_file(path), kIo,
+  // Something that is there but is no regular file is reported by the tokenizer's own open.
+  MOE_CHECK(fs::exists(fs::symlink_status(path)), kIo,
             "no tokenizer at {} (pass --tokenizer FILE; for the bundled demo model run "
             "scripts/fetch_tokenizers.sh)",
             path);

@@ -62,6 +62,7 @@ inline float exp_nonpositive(float x) {
 constexpr int kBinsPerNat = 4;
 constexpr int kBinRange = 64;
 constexpr int kBins = kBinsPerNat * kBinRange + 1;  // the last holds everything below -64
+constexpr int kSubBins = 256;                       // the bin where the nucleus ends, split again
 constexpr int64_t kBlock = 1024;                    // weights summed per block, for the draw's walk
 
 }  // namespace
@@ -165,6 +166,21 @@ int32_t Sampler::sample(const float* logits, int64_t vocab) {
   full = ids_.size();
   for (int32_t i = 0; i < static_cast<int32_t>(vocab); ++i)
     if (bins_[static_cast<size_t>(i)] == last) ids_.push_back(i);
+  // A flat distribution puts thousands of tokens in that bin: split it once more, 256 ways, so
+  // that only the tokens of the sub-bin where the nucleus ends are sorted.
+  auto sub_of = [&](int32_t id) {
+    const float x = ((mx - logits[id]) * per_nat - static_cast<float>(last)) * static_cast<float>(kSubBins);
+    return std::clamp(static_cast<int>(x), 0, kSubBins - 1);
+  };
+  sub_mass_.assign(kSubBins, 0.0);
+  for (size_t j = full; j < ids_.size(); ++j) sub_mass_[static_cast<size_t>(sub_of(ids_[j]))] += w[ids_[j]];
+  int sub = 0;
+  while (sub < kSubBins - 1 && above + sub_mass_[static_cast<size_t>(sub)] < target) above += sub_mass_[static_cast<size_t>(sub++)];
+  const auto begin = ids_.begin() + static_cast<std::ptrdiff_t>(full);
+  const auto inside = std::stable_partition(begin, ids_.end(), [&](int32_t id) { return sub_of(id) < sub; });
+  const auto crossing = std::stable_partition(inside, ids_.end(), [&](int32_t id) { return sub_of(id) == sub; });
+  ids_.erase(crossing, ids_.end());
+  full = static_cast<size_t>(inside - ids_.begin());
   auto order = [&](int32_t a, int32_t b) { return before(logits[a], a, logits[b], b); };
   std::sort(ids_.begin() + static_cast<std::ptrdiff_t>(full), ids_.end(), order);
   double cumulative = above;

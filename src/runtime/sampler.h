@@ -45,6 +45,7 @@ class Sampler {
   std::vector<double> block_sums_;  // weights summed per block of the vocabulary
   std::vector<uint16_t> bins_;      // each token's bin of the scaled logit (top_p)
   std::vector<double> bin_mass_;    // weights summed per bin
+  std::vector<double> sub_mass_;    // and per sub-bin of the bin where the nucleus ends
 };
 
 }  // namespace moe

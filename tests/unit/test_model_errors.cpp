@@ -130,6 +130,20 @@ TEST(ModelErrors, HostileSizesAreRefusedBeforeAllocation) {
   }
 }
 
+// What the config fuzzer found (fuzz/corpus/config/finding-*.json): each is a config error now,
+// not a slow parse, an overflow or a JSON type error escaping as something else.
+TEST(ModelErrors, ConfigFuzzFindingsAreConfigErrors) {
+  int found = 0;
+  for (const auto& entry : fs::directory_iterator(fs::path(MOE_SOURCE_DIR) / "fuzz" / "corpus" / "config")) {
+    if (!entry.path().filename().string().starts_with("finding-")) continue;
+    ++found;
+    TempDir dir;
+    fs::copy_file(entry.path(), dir.path() / "config.json");
+    EXPECT_EQ(expect_error([&] { load_model_config(dir.str()); }).kind(), ErrorKind::kConfig) << entry.path();
+  }
+  EXPECT_GE(found, 3);
+}
+
 TEST(ModelErrors, WrongShapeNamesTheTensor) {
   EditedFixture f("qwen3_moe_f32", [](auto& c) { c["moe_intermediate_size"] = 16; });
   auto e = expect_error([&] { Model::load(f.dir.str()); });
