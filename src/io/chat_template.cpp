@@ -87,9 +87,12 @@ ChatTemplate ChatTemplate::from_tokenizer_config(const std::string& path) {
 }
 
 ChatTemplate ChatTemplate::from_source(const std::string& source, const std::string& origin,
-                                       const std::string& bos_token, const std::string& eos_token) {
+                                       const std::string& bos_token, const std::string& eos_token,
+                                       const jinja::Limits& limits) {
   ChatTemplate t;
-  t.template_ = std::make_shared<const jinja::Template>(jinja::Template::parse(source, origin));
+  t.template_ =
+      std::make_shared<const jinja::Template>(jinja::Template::parse(source, origin, limits));
+  t.limits_ = limits;
   t.source_ = source;
   t.origin_ = origin;
   t.bos_ = bos_token;
@@ -128,7 +131,7 @@ std::string ChatTemplate::render_json(const ojson& messages, bool add_generation
   vars["add_generation_prompt"] = add_generation_prompt;
   if (extra.is_object())
     for (const auto& [k, v] : extra.items()) vars[k] = v;
-  return template_->render(vars);
+  return template_->render(vars, limits_);
 }
 
 }  // namespace moe
