@@ -3,15 +3,12 @@
 // add_generation_prompt and the special-token strings).
 #include "io/chat_template.h"
 
-#include <cerrno>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "io/jinja.h"
+#include "io/regular_file.h"
 #include "moe/errors.h"
 
 namespace moe {
@@ -21,15 +18,16 @@ namespace {
 using json = nlohmann::json;
 using ojson = nlohmann::ordered_json;
 
+// tokenizer_config.json embeds the template; a large one holds a few hundred kB of added-token
+// descriptions. 64 MiB is far past any real one and bounds what a hostile file costs.
+constexpr uint64_t kMaxConfigBytes = 64ull << 20;
+
 std::string read_file(const std::string& path, const char* what) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) MOE_THROW(kIo, "{} '{}' is a directory", what, path);
-  std::ifstream in(path, std::ios::binary);
-  if (!in) MOE_THROW(kIo, "cannot open {} '{}': {}", what, path, std::strerror(errno));
-  std::ostringstream buf;
-  buf << in.rdbuf();
-  if (in.bad()) MOE_THROW(kIo, "cannot read {} '{}': {}", what, path, std::strerror(errno));
-  return buf.str();
+  try {
+    return read_regular_file(path, kMaxConfigBytes);
+  } catch (const Error& e) {
+    MOE_THROW(kIo, "{}: {}", what, e.message());
+  }
 }
 
 // A special token in tokenizer_config.json is a string, null, or an AddedToken object.

@@ -146,12 +146,14 @@ def model_cases(work):
     expect_cli("tokenizer: a FIFO in place of tokenizer.json", "FIFO|regular", [CLI, "tokenize", "-m", t, "--text", "hi"])
 
     templates = [
-        ("template: 3,000 nested parentheses", "(" * 3000 + "1" + ")" * 3000, "nest|depth"),
+        ("template: 3,000 nested parentheses", "{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}", "nest|depth"),
         ("template: 3,000 nested ifs", "{% if true %}" * 3000 + "x" + "{% endif %}" * 3000, "nest|depth"),
         ("template: INT64_MIN // -1", "{{ (-9223372036854775807 - 1) // -1 }}", "overflow|range"),
         ("template: 2 ** 10**15", "{{ 2 ** 10 ** 15 }}", "overflow|limit|range"),
         ("template: a million-by-million loop", "{% for i in range(1000000) %}{% for j in range(1000000) %}"
                                                 "{% endfor %}{% endfor %}", "step|limit"),
+        ("template: a 5,000-by-5,000 loop", "{% for i in range(5000) %}{% for j in range(5000) %}"
+                                            "{% endfor %}{% endfor %}", "step limit"),
         ("template: 'a' * 10**10", "{{ 'a' * 10000000000 }}", "size|limit|long"),
         ("template: list doubling", "{% set ns = namespace(l=[1]) %}{% for i in range(64) %}"
                                     "{% set ns.l = ns.l + ns.l %}{% endfor %}{{ ns.l | length }}", "size|limit|long"),
@@ -423,13 +425,13 @@ def server_cases(work):
     # A template that runs away at render time fails its request only.
     t = fresh(work, TINY)
     edit_json(os.path.join(t, "tokenizer_config.json"),
-              lambda c: c.update(chat_template="{% for i in range(100000) %}{% for j in range(100000) %}"
+              lambda c: c.update(chat_template="{% for i in range(5000) %}{% for j in range(5000) %}"
                                                "{% endfor %}{% endfor %}"))
     srv = Server(t)
     try:
         server_case(srv, "HTTP: chat with a template that never ends",
                     lambda: expect_status(srv, 400, "/v1/chat/completions",
-                                          {"messages": [{"role": "user", "content": "hi"}]}, None, "limit"))
+                                          {"messages": [{"role": "user", "content": "hi"}]}, None, "step limit"))
     finally:
         srv.stop()
 
