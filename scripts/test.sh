@@ -40,7 +40,8 @@ if [ "${MOE_SKIP_FUZZ:-0}" != 1 ]; then
       tail -n 40 "$log"
       exit 1
     fi
-    echo "fuzz-$target: $(grep -oE '#[0-9]+ *DONE.*' "$log" | tail -n 1)"
+    echo "fuzz-$target: $(grep -oE 'Done [0-9]+ runs in [0-9]+ second' "$log" | tail -n 1)s," \
+      "$(grep -oE 'cov: [0-9]+' "$log" | tail -n 1) coverage points"
     rm -rf "$corpus" "$log"
   done
 fi

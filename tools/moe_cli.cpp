@@ -162,7 +162,9 @@ int run_generate(const Common& c, const std::string& prompt, int n, const Sampli
                       "tokenizer_config.json";
     text = ChatTemplate::from_tokenizer_config(config.string()).render({{"user", prompt}}, true);
   }
-  std::vector<int32_t> ids = tok.encode(text, /*add_special=*/true);
+  // A rendered chat template writes its special tokens itself (as transformers'
+  // apply_chat_template, which encodes without adding any).
+  std::vector<int32_t> ids = tok.encode(text, /*add_special=*/!chat);
   MOE_CHECK(!ids.empty(), kInvalidArgument, "the prompt encodes to no tokens");
   auto t0 = std::chrono::steady_clock::now();
   double prompt_s = 0;

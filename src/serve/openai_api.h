@@ -5,6 +5,8 @@
 // method 405, both with an OpenAI error body.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <utility>

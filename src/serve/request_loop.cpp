@@ -109,7 +109,7 @@ void RequestLoop::loop() {
       for (auto& [id, live] : live_) batcher_->cancel(id);
       events = batcher_->step();
     }
-    deliver(events, stopping);
+    deliver(events);
     if (stopping && live_.empty()) return;
   }
 }
@@ -133,7 +133,7 @@ void RequestLoop::take(const std::shared_ptr<Job>& job) {
   job->cv.notify_all();
 }
 
-void RequestLoop::deliver(std::vector<Event>& events, bool stopping) {
+void RequestLoop::deliver(std::vector<Event>& events) {
   const auto now = Clock::now();
   std::lock_guard mlock(metrics_m_);
   stats_ = batcher_->stats();
@@ -150,7 +150,6 @@ void RequestLoop::deliver(std::vector<Event>& events, bool stopping) {
     const bool finished = e.finish != FinishReason::kNone;
     {
       std::lock_guard lock(live.job->m);
-      live.job->cut_by_shutdown = finished && stopping && e.finish == FinishReason::kCancelled;
       live.job->events.push_back(std::move(e));
       live.job->finished = finished;
       live.job->cv.notify_all();

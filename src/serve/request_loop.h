@@ -30,7 +30,6 @@ struct Job {
   uint64_t id = 0;
   std::deque<Event> events;
   bool finished = false;
-  bool cut_by_shutdown = false;  // ended because the loop shut down, not by the request's own end
 };
 
 // Latencies in seconds, as cumulative Prometheus buckets.
@@ -53,7 +52,7 @@ class RequestLoop {
   std::string submit(const std::shared_ptr<Job>& job);
   // Ends the job's request (a client that went away); its blocks are freed at the next step.
   void cancel(const std::shared_ptr<Job>& job);
-  // Ends every request in flight (each job finishes with cut_by_shutdown) and stops the thread;
+  // Ends every request in flight (each job's last event is cancelled) and stops the thread;
   // later submissions are rejected.
   void shutdown();
   // Prometheus text: requests, tokens, queue depth, KV blocks, latency histograms.
@@ -67,7 +66,7 @@ class RequestLoop {
   };
   void loop();
   void take(const std::shared_ptr<Job>& job);
-  void deliver(std::vector<Event>& events, bool stopping);
+  void deliver(std::vector<Event>& events);
 
   std::unique_ptr<Batcher> batcher_;
   std::map<uint64_t, Live> live_;  // loop thread only
