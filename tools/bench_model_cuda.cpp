@@ -73,9 +73,9 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
     return p;
   };
   {  // warm-up, so that library set-up is not timed as prefill
-    const int32_t s = engine->open_sequence();
+    const int32_t s = engine->open();
     engine->prefill(s, prompt(a.input_len), SamplingParams{});
-    engine->close_sequence(s);
+    engine->close(s);
   }
   double long_prefill_s = 0;
   cuda::OpProfile prefill_profile;
@@ -85,18 +85,18 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
     auto p = prompt(a.prefill_len);
     std::vector<double> times;
     for (int rep = 0; rep < 4; ++rep) {
-      const int32_t s = engine->open_sequence();
+      const int32_t s = engine->open();
       auto t0 = std::chrono::steady_clock::now();
       engine->prefill(s, p, SamplingParams{});
       if (rep > 0) times.push_back(since(t0));
-      engine->close_sequence(s);
+      engine->close(s);
     }
     std::sort(times.begin(), times.end());
     long_prefill_s = times[times.size() / 2];
     if (a.profile) {  // once more, timed per operation
-      const int32_t again = engine->open_sequence();
+      const int32_t again = engine->open();
       engine->prefill(again, p, SamplingParams{}, nullptr, false, &prefill_profile);
-      engine->close_sequence(again);
+      engine->close(again);
     }
   }
   std::vector<DecodeRun> runs;
@@ -106,7 +106,7 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
     std::vector<int32_t> seqs, tokens;
     for (int b = 0; b < batch; ++b) {
       auto p = prompt(a.input_len);
-      seqs.push_back(engine->open_sequence());
+      seqs.push_back(engine->open());
       auto t0 = std::chrono::steady_clock::now();
       tokens.push_back(engine->prefill(seqs.back(), p, SamplingParams{}));
       r.prefill_s += since(t0);
@@ -125,7 +125,7 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
     }
     r.step_s = r.steps > 0 ? decode_s / r.steps : 0.0;
     if (a.profile) tokens = engine->decode(seqs, tokens, greedy, &r.profile);
-    for (int32_t s : seqs) engine->close_sequence(s);
+    for (int32_t s : seqs) engine->close(s);
     runs.push_back(r);
   }
 

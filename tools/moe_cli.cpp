@@ -207,7 +207,7 @@ int run_generate(const Common& c, const std::string& prompt, int n, const Sampli
     const int64_t context = ctx > 0 ? ctx : std::min<int64_t>(mc.max_position_embeddings,
                                                               static_cast<int64_t>(ids.size()) + n);
     auto engine = c.load_cuda(context, std::min<int64_t>(mc.vocab_size, tok.vocab_size()));
-    const int32_t seq = engine->open_sequence();
+    const int32_t seq = engine->open();
     const SamplingParams device_sp = sp;
     stream_out(mc, true, [&] { return engine->prefill(seq, ids, device_sp); },
                [&](int32_t token) {
@@ -256,7 +256,7 @@ int run_logits(const Common& c, const std::string& ids_text) {
   if (c.on_cuda()) {
     auto engine = c.load_cuda(static_cast<int64_t>(ids.size()));
     Tensor logits;
-    engine->prefill(engine->open_sequence(), ids, SamplingParams{}, &logits, /*all_logits=*/true);
+    engine->prefill(engine->open(), ids, SamplingParams{}, &logits, /*all_logits=*/true);
     print_logits(logits);
     return 0;
   }

@@ -1,7 +1,8 @@
-// moe-server: an OpenAI-compatible HTTP server over a continuous-batching scheduler: the CPU model
-// (serve::Scheduler) or, with --device cuda, the CUDA engine (serve::GpuScheduler). The request
-// loop, the OpenAI routes and the HTTP layer live in src/serve/; this is the main that loads the
-// model, wires them together and handles the shutdown signals.
+// moe-server: an OpenAI-compatible HTTP server over the continuous-batching scheduler
+// (serve::Scheduler), which drives an executor: the CPU model (cpu::Executor) or, with --device
+// cuda, the CUDA engine. The request loop, the OpenAI routes and the HTTP layer live in
+// src/serve/; this is the main that loads the model, wires them together and handles the shutdown
+// signals.
 #include <signal.h>
 
 #include <atomic>
@@ -13,6 +14,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "backend/cpu/cpu_executor.h"
 #include "backend/cuda_engine.h"
 #include "backend/device_info.h"
 #include "cli_common.h"
@@ -20,7 +22,6 @@
 #include "io/tokenizer.h"
 #include "model/model.h"
 #include "moe/errors.h"
-#include "serve/gpu_scheduler.h"
 #include "serve/http/http_server.h"
 #include "serve/openai_api.h"
 #include "serve/request_loop.h"
@@ -53,7 +54,7 @@ int main(int argc, char** argv) {
     std::string model_dir, tokenizer, host = "127.0.0.1", device = "cpu", name;
     int port = 8080, threads = 0;
     serve::SchedulerConfig cfg;
-    cfg.kv_blocks = 0;
+    int64_t max_batch = 16, kv_blocks = 0, block_size = 16;
     serve::http::Limits limits;
     int64_t max_prompt_tokens = 0;
     app.add_option("-m,--model", model_dir, "model directory (Hugging Face layout)")->required();
@@ -69,10 +70,10 @@ int main(int argc, char** argv) {
     bool random_weights = false;
     app.add_flag("--random-weights", random_weights, "cuda: config.json only, weights drawn on the device");
     app.add_option("-t,--threads", threads, "CPU threads for the model (0: all)");
-    app.add_option("--max-batch", cfg.max_batch, "requests running at once");
-    app.add_option("--max-step-tokens", cfg.max_step_tokens, "tokens computed per step");
-    app.add_option("--kv-blocks", cfg.kv_blocks, "KV cache blocks (0: enough for max-batch full contexts; cuda: capped by free memory)");
-    app.add_option("--block-size", cfg.block_size, "tokens per KV block");
+    app.add_option("--max-batch", max_batch, "requests running at once")->capture_default_str();
+    app.add_option("--max-step-tokens", cfg.max_step_tokens, "tokens computed per step")->capture_default_str();
+    app.add_option("--kv-blocks", kv_blocks, "KV cache blocks (0: enough for max-batch full contexts; cuda: capped by free memory)");
+    app.add_option("--block-size", block_size, "tokens per KV block")->capture_default_str();
     app.add_option("--ctx", cfg.max_context, "context per request (0: the model's)");
     app.add_option("--max-prompt-tokens", max_prompt_tokens,
                    "longest prompt, counted while it is tokenized (0: the context less one)");
@@ -116,14 +117,17 @@ int main(int argc, char** argv) {
     MOE_CHECK(fs::is_directory(model_dir), kIo, "model directory {} does not exist", model_dir);
     const std::string tok_path = cli::tokenizer_path(model_dir, tokenizer);
     Tokenizer tok = Tokenizer::from_file(tok_path);
+    MOE_CHECK(max_batch >= 1 && max_batch <= 1024, kInvalidArgument, "max_batch must be in [1, 1024], got {}", max_batch);
+    MOE_CHECK(block_size >= 1 && block_size <= 1024, kInvalidArgument, "--block-size must be in [1, 1024], got {}",
+              block_size);
     std::unique_ptr<Model> model;
     std::unique_ptr<cuda::Engine> gpu;
     if (device == "cuda") {
       cuda::EngineOptions eo;
-      eo.max_batch = static_cast<int>(cfg.max_batch);
+      eo.max_batch = static_cast<int>(max_batch);
       eo.max_context = cfg.max_context;
-      eo.kv_blocks = cfg.kv_blocks;
-      eo.block_size = static_cast<int>(cfg.block_size);
+      eo.kv_blocks = kv_blocks;
+      eo.block_size = static_cast<int>(block_size);
       eo.random_weights = random_weights;
       eo.progress = true;
       eo.sampled_vocab = tok.vocab_size();
@@ -151,13 +155,10 @@ int main(int argc, char** argv) {
       }
     }
 
-    std::unique_ptr<serve::Batcher> scheduler;
+    std::unique_ptr<cpu::Executor> cpu_executor;
+    runtime::Executor* executor = gpu.get();
     int64_t context = 0;
     if (gpu) {
-      serve::GpuSchedulerConfig gc;
-      gc.max_step_tokens = cfg.max_step_tokens;
-      gc.max_context = cfg.max_context;
-      scheduler = std::make_unique<serve::GpuScheduler>(*gpu, gc, &tok);
       context = gpu->options().max_context;
       const cuda::MemoryReport m = gpu->memory();
       std::string gpu_name = "GPU " + std::to_string(gpu->options().device);
@@ -169,14 +170,21 @@ int main(int argc, char** argv) {
                    m.kv_cache / 1e9, m.workspace / 1e9);
     } else {
       context = cfg.max_context > 0 ? cfg.max_context : mc.max_position_embeddings;
-      if (cfg.kv_blocks == 0)
-        cfg.kv_blocks = cfg.max_batch * ((context + cfg.block_size - 1) / std::max<int64_t>(cfg.block_size, 1));
-      scheduler = std::make_unique<serve::Scheduler>(*model, cfg, &tok);
+      if (kv_blocks == 0) kv_blocks = max_batch * ((context + block_size - 1) / block_size);
+      cpu::ExecutorOptions xo;
+      xo.kv_blocks = kv_blocks;
+      xo.block_size = block_size;
+      xo.max_sequences = max_batch;
+      xo.max_context = cfg.max_context;
+      xo.sampled_vocab = tok.vocab_size();
+      cpu_executor = std::make_unique<cpu::Executor>(*model, xo);
+      executor = cpu_executor.get();
       std::fprintf(stderr, "moe-server: KV cache of %lld blocks of %lld tokens (%.2f GB)\n",
-                   static_cast<long long>(cfg.kv_blocks), static_cast<long long>(cfg.block_size),
-                   static_cast<double>(cfg.kv_blocks) * cfg.block_size * mc.num_layers *
+                   static_cast<long long>(kv_blocks), static_cast<long long>(block_size),
+                   static_cast<double>(kv_blocks) * block_size * mc.num_layers *
                        (mc.kv_key_width() + mc.kv_value_width()) * 4 / 1e9);
     }
+    auto scheduler = std::make_unique<serve::Scheduler>(*executor, cfg, &tok);
     serve::RequestLoop loop(std::move(scheduler));
     serve::ApiConfig api;
     api.model_name = name.empty() ? fs::path(model_dir).filename().string() : name;

@@ -14,6 +14,7 @@
 #include "model/config.h"
 #include "moe/errors.h"
 #include "moe/tensor.h"
+#include "runtime/executor.h"
 #include "runtime/sampler.h"
 
 namespace moe::cuda {
@@ -92,33 +93,41 @@ struct OpProfile {
   std::vector<int> experts_touched;
 };
 
-class Engine {
+class Engine final : public runtime::Executor {
  public:
-  // Validates the config (GQA models; MLA is CPU-only for now) before anything is allocated.
+  // Validates the config (GQA and MLA attention) before anything is allocated.
   static std::unique_ptr<Engine> load(const std::string& dir, const EngineOptions& opts);
-  ~Engine();
+  ~Engine() override;
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
   const ModelConfig& config() const;
   const EngineOptions& options() const;
 
+  // The executor (runtime/executor.h): at most max_batch sequences; the blocks exclude the
+  // scratch block that padding rows of a graph write to.
+  const runtime::ExecutorLimits& limits() const override;
   // A new empty sequence; throws kInvalidArgument when max_batch sequences are open.
-  int32_t open_sequence();
+  int32_t open() override;
   // Frees the sequence's KV blocks.
-  void close_sequence(int32_t seq);
-  int64_t length(int32_t seq) const;
+  void close(int32_t seq) override;
+  int64_t length(int32_t seq) const override;
   // Prefix reuse: gives the empty sequence `seq` the cached blocks that hold `tokens`' leading
   // full blocks (computed for any sequence, open or closed since and not yet reused), as shared
   // references; returns the tokens it now holds (a multiple of the block size, never all of
   // `tokens`: the last one is left to compute). The caller prefills from there. 0 with
   // prefix_reuse off.
-  int64_t reuse_prefix(int32_t seq, std::span<const int32_t> tokens);
+  int64_t reuse_prefix(int32_t seq, std::span<const int32_t> tokens) override;
+  runtime::KvUsage kv_usage() const override;
+  // One step: the rows of one token after a cached prefix run as one batched decode (from the
+  // bucket's graph), then each other row as a prefill; each row draws with its own draw index.
+  std::vector<int32_t> run(const runtime::StepPlan& plan) override;
 
   // Runs `ids` after the sequence's cached tokens and samples its next token on the device.
   // logits (when given): f32 on the host, [ids.size(), vocab] when all_logits, else [1, vocab].
   // Throws kInvalidArgument for ids outside the vocabulary, a full context or no free KV block.
-  // With `profile`, the device time of the whole prefill per operation.
+  // With `profile`, the device time of the whole prefill per operation. The draw index is the
+  // number of tokens this sequence sampled before (prefill or decode).
   int32_t prefill(int32_t seq, std::span<const int32_t> ids, const SamplingParams& params,
                   Tensor* logits = nullptr, bool all_logits = false, OpProfile* profile = nullptr);
   // One decode step: sequence seqs[i] takes tokens[i]; returns each one's next token. With
@@ -132,9 +141,10 @@ class Engine {
   // row; -1 for dense layers.
   std::vector<int32_t> last_routing() const;
 
+  struct State;  // defined with the CUDA sources
+
  private:
   Engine();
-  struct State;
   std::unique_ptr<State> s_;
 };
 

@@ -40,11 +40,20 @@ KvCache::KvCache(int64_t layers, int64_t capacity, int64_t k_width, int64_t v_wi
 
 KvCache::KvCache(KvBlockPool& pool) : pool_(&pool) {}
 
+KvCache KvCache::borrowed(KvBlockPool& pool, std::span<const int32_t> blocks, int64_t length) {
+  KvCache c(pool);
+  c.blocks_.assign(blocks.begin(), blocks.end());
+  c.length_ = length;
+  c.borrowed_ = true;
+  return c;
+}
+
 KvCache::KvCache(KvCache&& other) noexcept
     : owned_(std::move(other.owned_)),
       pool_(std::exchange(other.pool_, nullptr)),
       blocks_(std::move(other.blocks_)),
-      length_(std::exchange(other.length_, 0)) {
+      length_(std::exchange(other.length_, 0)),
+      borrowed_(std::exchange(other.borrowed_, false)) {
   other.blocks_.clear();
 }
 
@@ -56,6 +65,7 @@ KvCache& KvCache::operator=(KvCache&& other) noexcept {
     blocks_ = std::move(other.blocks_);
     other.blocks_.clear();
     length_ = std::exchange(other.length_, 0);
+    borrowed_ = std::exchange(other.borrowed_, false);
   }
   return *this;
 }
@@ -69,7 +79,7 @@ void KvCache::append_block(int32_t block) {
 }
 
 void KvCache::release() {
-  if (pool_)
+  if (pool_ && !borrowed_)
     for (int32_t b : blocks_) pool_->release(b);
   blocks_.clear();
   length_ = 0;

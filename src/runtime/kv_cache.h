@@ -46,6 +46,7 @@ class KvBlockPool {
   size_t bytes() const;
 
   // The bookkeeping (BlockAllocator): references, the free list and published prefix blocks.
+  BlockAllocator& allocator() { return blocks_; }
   int32_t allocate() { return blocks_.allocate(); }
   void retain(int32_t block) { blocks_.retain(block); }
   void release(int32_t block) { blocks_.release(block); }
@@ -72,6 +73,9 @@ class KvCache {
   KvCache(int64_t layers, int64_t capacity, int64_t k_width, int64_t v_width);
   // An empty view over `pool`'s blocks; the pool must outlive the cache.
   explicit KvCache(KvBlockPool& pool);
+  // A view of blocks another owner holds the references of (an executor's sequence table): it
+  // takes none and gives none back.
+  static KvCache borrowed(KvBlockPool& pool, std::span<const int32_t> blocks, int64_t length);
   KvCache(KvCache&& other) noexcept;
   KvCache& operator=(KvCache&& other) noexcept;
   KvCache(const KvCache&) = delete;
@@ -103,6 +107,7 @@ class KvCache {
   KvBlockPool* pool_ = nullptr;
   std::vector<int32_t> blocks_;
   int64_t length_ = 0;
+  bool borrowed_ = false;
 };
 
 }  // namespace moe

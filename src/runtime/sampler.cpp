@@ -27,8 +27,11 @@ SamplingParams effective_sampling(const SamplingParams& params, int64_t vocab) {
   return p;
 }
 
-Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {
+Sampler::Sampler(const SamplingParams& params) : params_(params) { validate_sampling(params); }
+
+void Sampler::set_params(const SamplingParams& params) {
   validate_sampling(params);
+  params_ = params;
 }
 
 namespace {
@@ -65,16 +68,28 @@ constexpr int kBins = kBinsPerNat * kBinRange + 1;  // the last holds everything
 constexpr int kSubBins = 256;                       // the bin where the nucleus ends, split again
 constexpr int64_t kBlock = 1024;                    // weights summed per block, for the draw's walk
 
+// A uniform number in [0, 1) for draw `draw` of the stream `seed`: splitmix64's finaliser over
+// the pair, 53 bits kept.
+double uniform(uint64_t seed, int64_t draw) {
+  auto mix = [](uint64_t z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  return static_cast<double>(mix(mix(seed) ^ static_cast<uint64_t>(draw)) >> 11) * 0x1.0p-53;
+}
+
 }  // namespace
 
-int32_t Sampler::sample(const float* logits, int64_t vocab) {
+int32_t Sampler::sample(const float* logits, int64_t vocab, int64_t draw) {
   const SamplingParams p = effective_sampling(params_, vocab);
   int64_t best = 0;  // the first maximum, as torch.argmax
   for (int64_t i = 1; i < vocab; ++i)
     if (logits[i] > logits[best]) best = i;
   if (p.temperature == 0.0f) return static_cast<int32_t>(best);
   const float mx = logits[best], inv_t = 1.0f / p.temperature;
-  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  const double u = uniform(params_.seed, draw);
 
   if (p.top_k > 0) {
     // The k best by one pass that keeps the worst of them at the front of a heap: most tokens
@@ -104,7 +119,7 @@ int32_t Sampler::sample(const float* logits, int64_t vocab) {
       while (keep < ids_.size() && cumulative < target) cumulative += weights_[keep++];
       sum = cumulative;
     }
-    double r = unit(rng_) * sum;
+    double r = u * sum;
     for (size_t j = 0; j < keep; ++j)
       if ((r -= weights_[j]) <= 0.0) return ids_[j];
     return ids_[keep - 1];
@@ -131,7 +146,7 @@ int32_t Sampler::sample(const float* logits, int64_t vocab) {
     sum += block;
   }
   if (p.top_p >= 1.0f) {
-    double r = unit(rng_) * sum;
+    double r = u * sum;
     for (int64_t b = 0; b < blocks; ++b) {
       if (r > block_sums_[static_cast<size_t>(b)] && b + 1 < blocks) {
         r -= block_sums_[static_cast<size_t>(b)];
@@ -186,7 +201,7 @@ int32_t Sampler::sample(const float* logits, int64_t vocab) {
   double cumulative = above;
   size_t keep = full;
   while (keep < ids_.size() && cumulative < target) cumulative += weights_[static_cast<size_t>(ids_[keep++])];
-  double r = unit(rng_) * cumulative;
+  double r = u * cumulative;
   for (size_t j = 0; j < keep; ++j)
     if ((r -= weights_[static_cast<size_t>(ids_[j])]) <= 0.0) return ids_[j];
   return ids_[keep - 1];

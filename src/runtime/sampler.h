@@ -1,13 +1,14 @@
 // Picks the next token from a row of logits: greedy when temperature is 0, otherwise softmax at
 // the temperature, restricted to the top_k most likely tokens (0: all) and then to the smallest
-// set whose probability reaches top_p (1: all). Seeded, so a run can be repeated exactly.
+// set whose probability reaches top_p (1: all). Seeded and counter-based: the draw's random number
+// is a hash of (seed, draw index), so the same request draws the same tokens however its steps
+// were batched, chunked or recomputed.
 //
 // Cost: one pass over the vocabulary plus a selection of the candidates, never a sort of the
 // whole vocabulary: sampling at temperature 1 over 152k logits costs about what the argmax does.
 #pragma once
 
 #include <cstdint>
-#include <random>
 #include <vector>
 
 namespace moe {
@@ -34,11 +35,16 @@ SamplingParams effective_sampling(const SamplingParams& params, int64_t vocab);
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);
-  int32_t sample(const float* logits, int64_t vocab);
+  // Other parameters for the next draws (validated), keeping the scratch buffers.
+  void set_params(const SamplingParams& params);
+  // Draw number `draw` of this sampler's stream.
+  int32_t sample(const float* logits, int64_t vocab, int64_t draw);
+  // The next draw: 0, 1, 2, ... over the calls.
+  int32_t sample(const float* logits, int64_t vocab) { return sample(logits, vocab, draws_++); }
 
  private:
   SamplingParams params_;
-  std::mt19937_64 rng_;
+  int64_t draws_ = 0;
   // Scratch, kept between calls.
   std::vector<int32_t> ids_;        // candidates
   std::vector<float> weights_;      // exp((l - max) / T)

@@ -1,7 +1,6 @@
 // What moe-server drives: requests in, one event per generated token out, stepped by one thread.
-// Two implementations: serve::Scheduler (the CPU model over a paged KV pool, scheduler.h) and
-// serve::GpuScheduler (the CUDA engine, gpu_scheduler.h). The request checks and the handling of
-// stop ids, stop strings and max_tokens are shared here, so both behave the same to a client.
+// serve::Scheduler (scheduler.h) implements it over one executor, CPU or CUDA. The request checks
+// and the handling of stop ids, stop strings and max_tokens are here, apart from the batching.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// The server's engine side: one thread owns a Batcher (the CPU scheduler or the GPU one) and
+// The server's engine side: one thread owns a Batcher (the scheduler over the CPU or CUDA executor) and
 // steps it while there is work; request threads never touch it. They hand a Job in, wait for the
 // verdict, then wait on the Job for its events. Counts requests, tokens and latencies for
 // /metrics. No socket anywhere: unit tests drive it with a model directly.

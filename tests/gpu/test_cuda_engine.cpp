@@ -104,10 +104,10 @@ TEST_P(CudaFixtureTest, LogitsMatchTransformersWithinBf16Bound) {
   size_t checked = 0, decisions = 0, agreeing = 0;
   for (size_t i = 0; i < ref["inputs"].size(); ++i) {
     auto ids = ref["inputs"][i].get<std::vector<int32_t>>();
-    const int32_t seq = engine->open_sequence();
+    const int32_t seq = engine->open();
     Tensor logits;
     engine->prefill(seq, ids, SamplingParams{}, &logits, all_rows);
-    engine->close_sequence(seq);
+    engine->close(seq);
     const RoutingAgreement ra = compare_routing(cpu_run(dir, ids), engine->last_routing(), mc.num_layers,
                                                 static_cast<int64_t>(ids.size()), std::max<int64_t>(mc.moe.top_k, 1));
     decisions += ra.decisions;
@@ -165,9 +165,9 @@ TEST_P(CudaFixtureTest, GreedyTokensMatchCpuEngine) {
     sequence.insert(sequence.end(), expected.begin(), expected.end() - 1);
     const CpuRun cpu = cpu_run(dir, sequence);
     Tensor forced;
-    const int32_t probe = engine->open_sequence();
+    const int32_t probe = engine->open();
     engine->prefill(probe, sequence, SamplingParams{}, &forced, true);
-    engine->close_sequence(probe);
+    engine->close(probe);
     const RoutingAgreement ra =
         compare_routing(cpu, engine->last_routing(), engine->config().num_layers,
                         static_cast<int64_t>(sequence.size()), std::max<int64_t>(engine->config().moe.top_k, 1));
@@ -184,7 +184,7 @@ TEST_P(CudaFixtureTest, GreedyTokensMatchCpuEngine) {
       if (sorted[0] - sorted[1] <= 3 * diff) break;
       ++clear;
     }
-    const int32_t seq = engine->open_sequence();
+    const int32_t seq = engine->open();
     std::vector<int32_t> got{engine->prefill(seq, ids, SamplingParams{})};
     std::vector<int32_t> seqs{seq};
     std::vector<SamplingParams> greedy(1);
@@ -192,7 +192,7 @@ TEST_P(CudaFixtureTest, GreedyTokensMatchCpuEngine) {
       std::vector<int32_t> last{got.back()};
       got.push_back(engine->decode(seqs, last, greedy)[0]);
     }
-    engine->close_sequence(seq);
+    engine->close(seq);
     std::printf("[ %s input %zu ] %zu of %zu greedy steps decided clearly on the CPU; GPU: %s\n",
                 GetParam().c_str(), i, clear, expected.size(),
                 std::equal(got.begin(), got.end(), expected.begin()) ? "all equal" : "differs later");
@@ -217,7 +217,7 @@ TEST_P(CudaFixtureTest, GraphDecodeEqualsEagerAndBatchEqualsAlone) {
     std::vector<std::vector<int32_t>> out(prompts.size());
     std::vector<int32_t> seqs, last;
     for (const auto& p : prompts) {
-      seqs.push_back(engine->open_sequence());
+      seqs.push_back(engine->open());
       last.push_back(engine->prefill(seqs.back(), p, SamplingParams{}));
       out[seqs.size() - 1].push_back(last.back());
     }
@@ -263,7 +263,7 @@ TEST(CudaEngine, RandomWeightPresetMatchesCpuEngine) {
   o.max_context = 64;
   auto engine = cuda::Engine::load(dir, o);
   Tensor gpu;
-  engine->prefill(engine->open_sequence(), ids, SamplingParams{}, &gpu, true);
+  engine->prefill(engine->open(), ids, SamplingParams{}, &gpu, true);
   LoadOptions lo;
   lo.random_weights = true;
   lo.seed = 3;
@@ -293,7 +293,7 @@ TEST(CudaEngine, FoldedKernelsMatchSeparateOnes) {
       o.max_context = 64;
       o.fuse = fuse == 1;
       auto engine = cuda::Engine::load(dir, o);
-      engine->prefill(engine->open_sequence(), ids, SamplingParams{}, &logits[fuse], true);
+      engine->prefill(engine->open(), ids, SamplingParams{}, &logits[fuse], true);
     }
     ASSERT_EQ(logits[0].numel(), logits[1].numel());
     std::vector<float> a(logits[1].data<float>(), logits[1].data<float>() + logits[1].numel());
@@ -306,7 +306,7 @@ TEST(CudaEngine, BadInputIsRejectedAndTheEngineKeepsWorking) {
   REQUIRE_GPU();
   auto engine = load(fixture_dir("qwen3_moe_f32"), true, 2);
   const int64_t vocab = engine->config().vocab_size;
-  const int32_t a = engine->open_sequence();
+  const int32_t a = engine->open();
   std::vector<int32_t> bad{1, static_cast<int32_t>(vocab)};
   EXPECT_THROW(engine->prefill(a, bad, SamplingParams{}), Error);
   EXPECT_EQ(engine->length(a), 0);
@@ -322,13 +322,13 @@ TEST(CudaEngine, BadInputIsRejectedAndTheEngineKeepsWorking) {
   EXPECT_GE(first, 0);
   EXPECT_LT(first, vocab);
   EXPECT_EQ(engine->length(a), 3);
-  const int32_t b = engine->open_sequence();
-  EXPECT_THROW(engine->open_sequence(), Error);  // max_batch 2
+  const int32_t b = engine->open();
+  EXPECT_THROW(engine->open(), Error);  // max_batch 2
   std::vector<int32_t> twice{a, a}, toks{1, 2};
   std::vector<SamplingParams> greedy(2);
   EXPECT_THROW(engine->decode(twice, toks, greedy), Error);
-  engine->close_sequence(b);
-  EXPECT_THROW(engine->close_sequence(b), Error);
+  engine->close(b);
+  EXPECT_THROW(engine->close(b), Error);
   std::vector<int32_t> closed{b}, one{1};
   std::vector<SamplingParams> g1(1);
   EXPECT_THROW(engine->decode(closed, one, g1), Error);
@@ -361,17 +361,17 @@ TEST(CudaEngine, PrefixReuseMatchesRecompute) {
   off.prefix_reuse = false;
   auto plain = cuda::Engine::load(dir, off);
   Tensor want;
-  const int32_t p = plain->open_sequence();
+  const int32_t p = plain->open();
   const int32_t want_next = plain->prefill(p, prompt, SamplingParams{}, &want);
-  EXPECT_EQ(plain->reuse_prefix(plain->open_sequence(), prompt), 0) << "reuse with prefix_reuse off";
+  EXPECT_EQ(plain->reuse_prefix(plain->open(), prompt), 0) << "reuse with prefix_reuse off";
 
   const int64_t free_before = engine->memory().kv_blocks_free;
-  const int32_t a = engine->open_sequence();
+  const int32_t a = engine->open();
   engine->prefill(a, head, SamplingParams{});
   EXPECT_GE(engine->memory().kv_blocks_cached, 2);
   for (bool a_open : {true, false}) {
-    if (!a_open) engine->close_sequence(a);
-    const int32_t b = engine->open_sequence();
+    if (!a_open) engine->close(a);
+    const int32_t b = engine->open();
     ASSERT_EQ(engine->reuse_prefix(b, prompt), 32) << (a_open ? "shared with an open sequence" : "after it closed");
     EXPECT_EQ(engine->length(b), 32);
     Tensor got;
@@ -388,11 +388,11 @@ TEST(CudaEngine, PrefixReuseMatchesRecompute) {
     if (sorted[0] - sorted[1] > 3 * diff) {
       EXPECT_EQ(next, want_next);
     }
-    engine->close_sequence(b);
+    engine->close(b);
   }
   EXPECT_EQ(engine->memory().kv_blocks_free, free_before) << "blocks left referenced";
   // A sequence that already holds tokens cannot take a prefix.
-  const int32_t c = engine->open_sequence();
+  const int32_t c = engine->open();
   engine->prefill(c, head, SamplingParams{});
   EXPECT_THROW(engine->reuse_prefix(c, prompt), Error);
 }

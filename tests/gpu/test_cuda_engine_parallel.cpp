@@ -52,15 +52,15 @@ double logit_bound(double scale) { return std::max(0.04 * scale, 2e-3); }
 
 Tensor forced_logits(cuda::Engine& e, const std::vector<int32_t>& sequence, std::vector<int32_t>* routing) {
   Tensor logits;
-  const int32_t s = e.open_sequence();
+  const int32_t s = e.open();
   e.prefill(s, sequence, SamplingParams{}, &logits, true);
-  e.close_sequence(s);
+  e.close(s);
   *routing = e.last_routing();
   return logits;
 }
 
 std::vector<int32_t> greedy(cuda::Engine& e, const std::vector<int32_t>& ids, size_t n) {
-  const int32_t s = e.open_sequence();
+  const int32_t s = e.open();
   std::vector<int32_t> got{e.prefill(s, ids, SamplingParams{})};
   std::vector<int32_t> seqs{s};
   std::vector<SamplingParams> g(1);
@@ -68,7 +68,7 @@ std::vector<int32_t> greedy(cuda::Engine& e, const std::vector<int32_t>& ids, si
     std::vector<int32_t> last{got.back()};
     got.push_back(e.decode(seqs, last, g)[0]);
   }
-  e.close_sequence(s);
+  e.close(s);
   return got;
 }
 
@@ -166,7 +166,7 @@ TEST_P(CudaEngineParallel, GraphDecodeEqualsEagerAndBatchEqualsAlone) {
     std::vector<std::vector<int32_t>> out(prompts.size());
     std::vector<int32_t> seqs, last;
     for (const auto& p : prompts) {
-      seqs.push_back(engine->open_sequence());
+      seqs.push_back(engine->open());
       last.push_back(engine->prefill(seqs.back(), p, SamplingParams{}));
       out[seqs.size() - 1].push_back(last.back());
     }
@@ -183,7 +183,7 @@ TEST_P(CudaEngineParallel, GraphDecodeEqualsEagerAndBatchEqualsAlone) {
       }
       for (size_t s = 0; s < seqs.size(); ++s) out[s].push_back(last[s]);
     }
-    for (int32_t s : seqs) engine->close_sequence(s);
+    for (int32_t s : seqs) engine->close(s);
     const cuda::MemoryReport m = engine->memory();
     EXPECT_GT(m.weights, 0u);
     EXPECT_EQ(m.kv_blocks_free, m.kv_blocks - 1) << "blocks left behind after closing every sequence";

@@ -1,11 +1,12 @@
-// The continuous-batching scheduler on the fixture models: every request, however it was batched,
-// chunked, preempted or shared blocks with others, generates what it generates alone through
-// Model::forward; and the pool ends empty.
+// The continuous-batching scheduler over the CPU executor on the fixture models: every request,
+// however it was batched, chunked, preempted or shared blocks with others, generates what it
+// generates alone through Model::forward; and the pool ends empty.
 #include <gtest/gtest.h>
 
 #include <map>
 #include <random>
 
+#include "backend/cpu/cpu_executor.h"
 #include "io/tokenizer.h"
 #include "model/model.h"
 #include "serve/scheduler.h"
@@ -19,7 +20,6 @@ using serve::Event;
 using serve::FinishReason;
 using serve::RequestOptions;
 using serve::Scheduler;
-using serve::SchedulerConfig;
 using test::expect_error;
 using test::fixture_dir;
 
@@ -43,6 +43,38 @@ std::vector<int32_t> alone(Model& model, const std::vector<int32_t>& prompt, con
   }
 }
 
+// What a server sets up: the executor's pool and batch, and the scheduler's step budget.
+struct ServeSetup {
+  int64_t kv_blocks = 256, block_size = 16, max_batch = 16, max_step_tokens = 256, max_context = 0;
+  bool prefix_reuse = true;
+};
+
+cpu::ExecutorOptions executor_options(const ServeSetup& c, const Tokenizer* tok) {
+  cpu::ExecutorOptions o;
+  o.kv_blocks = c.kv_blocks;
+  o.block_size = c.block_size;
+  o.max_sequences = c.max_batch;
+  o.max_context = c.max_context;
+  o.sampled_vocab = tok ? tok->vocab_size() : 0;
+  o.prefix_reuse = c.prefix_reuse;
+  return o;
+}
+
+// The CPU executor and the scheduler over it.
+struct Served {
+  Served(Model& model, const ServeSetup& c, const Tokenizer* tok = nullptr)
+      : executor(model, executor_options(c, tok)),
+        scheduler(executor, serve::SchedulerConfig{c.max_step_tokens, c.max_context, c.prefix_reuse}, tok) {}
+  uint64_t submit(std::vector<int32_t> prompt, const RequestOptions& o) { return scheduler.submit(std::move(prompt), o); }
+  bool cancel(uint64_t id) { return scheduler.cancel(id); }
+  std::vector<Event> step() { return scheduler.step(); }
+  bool busy() const { return scheduler.busy(); }
+  serve::SchedulerStats stats() const { return scheduler.stats(); }
+
+  cpu::Executor executor;
+  Scheduler scheduler;
+};
+
 struct Outcome {
   std::vector<int32_t> tokens;
   std::string text;
@@ -51,7 +83,7 @@ struct Outcome {
 };
 
 // Steps until nothing is left (bounded, so a scheduler that stalls fails instead of hanging).
-std::map<uint64_t, Outcome> run_to_end(Scheduler& s, std::map<uint64_t, Outcome> seen = {}) {
+std::map<uint64_t, Outcome> run_to_end(Served& s, std::map<uint64_t, Outcome> seen = {}) {
   for (int step = 0; s.busy() || step == 0; ++step) {
     EXPECT_LT(step, 5000) << "the scheduler makes no progress";
     if (step >= 5000) break;
@@ -84,12 +116,12 @@ class SchedulerTest : public ::testing::TestWithParam<std::string> {
 // Many requests of mixed lengths at once, with a step budget small enough that prompts are
 // prefilled in several chunks beside the running decodes.
 TEST_P(SchedulerTest, ConcurrentGreedyRequestsMatchEachAlone) {
-  SchedulerConfig cfg;
+  ServeSetup cfg;
   cfg.block_size = 4;
   cfg.kv_blocks = 200;
   cfg.max_batch = 6;
   cfg.max_step_tokens = 16;
-  Scheduler s(*model, cfg);
+  Served s(*model, cfg);
   std::mt19937 rng(7);
   std::map<uint64_t, std::pair<std::vector<int32_t>, RequestOptions>> submitted;
   int64_t need = 0;
@@ -118,12 +150,12 @@ TEST_P(SchedulerTest, ConcurrentGreedyRequestsMatchEachAlone) {
 // A long prompt arriving while another request decodes is prefilled in chunks: the decoding
 // request still gets a token at every step.
 TEST_P(SchedulerTest, LongPromptDoesNotStallRunningDecodes) {
-  SchedulerConfig cfg;
+  ServeSetup cfg;
   cfg.block_size = 4;
   cfg.kv_blocks = 64;
   cfg.max_batch = 4;
   cfg.max_step_tokens = 8;
-  Scheduler s(*model, cfg);
+  Served s(*model, cfg);
   std::mt19937 rng(11);
   RequestOptions short_opts, long_opts;
   short_opts.max_tokens = 12;
@@ -165,12 +197,12 @@ TEST_P(SchedulerTest, LongPromptDoesNotStallRunningDecodes) {
 // A pool far smaller than the requests need together: requests are preempted and recomputed,
 // and every output is still the one it has alone.
 TEST_P(SchedulerTest, PreemptionWhenBlocksRunOutKeepsOutputs) {
-  SchedulerConfig cfg;
+  ServeSetup cfg;
   cfg.block_size = 4;
   cfg.kv_blocks = 10;  // 40 tokens for 6 requests of up to 27 tokens each
   cfg.max_batch = 6;
   cfg.max_step_tokens = 32;
-  Scheduler s(*model, cfg);
+  Served s(*model, cfg);
   std::mt19937 rng(5);
   std::map<uint64_t, std::pair<std::vector<int32_t>, RequestOptions>> submitted;
   for (int i = 0; i < 6; ++i) {
@@ -201,12 +233,12 @@ TEST_P(SchedulerTest, IdenticalPromptBlocksAreShared) {
   RequestOptions o;
   o.max_tokens = 6;
   for (bool reuse : {true, false}) {
-    SchedulerConfig cfg;
+    ServeSetup cfg;
     cfg.block_size = 4;
     cfg.kv_blocks = 32;
     cfg.max_step_tokens = 64;
     cfg.prefix_reuse = reuse;
-    Scheduler s(*model, cfg);
+    Served s(*model, cfg);
     std::vector<uint64_t> ids{s.submit(prompts[0], o)};
     std::map<uint64_t, Outcome> seen;
     for (const Event& e : s.step()) seen[e.id].tokens.push_back(e.token);
@@ -232,15 +264,15 @@ TEST_P(SchedulerTest, IdenticalPromptBlocksAreShared) {
   }
 }
 
-// Per-request sampling: each request draws from its own seeded sampler, whatever it shares a
-// batch with and however often it is preempted.
+// Per-request sampling: each request draws its own seeded, counter-based numbers, whatever it
+// shares a batch with and however often it is preempted.
 TEST_P(SchedulerTest, SeededSamplingMatchesAlone) {
-  SchedulerConfig cfg;
+  ServeSetup cfg;
   cfg.block_size = 4;
   cfg.kv_blocks = 12;
   cfg.max_batch = 5;
   cfg.max_step_tokens = 20;
-  Scheduler s(*model, cfg);
+  Served s(*model, cfg);
   std::mt19937 rng(13);
   std::map<uint64_t, std::pair<std::vector<int32_t>, RequestOptions>> submitted;
   for (int i = 0; i < 5; ++i) {
@@ -259,9 +291,9 @@ TEST_P(SchedulerTest, SeededSamplingMatchesAlone) {
 }
 
 TEST_P(SchedulerTest, StopIdsEndARequestEarly) {
-  SchedulerConfig cfg;
+  ServeSetup cfg;
   cfg.block_size = 4;
-  Scheduler s(*model, cfg);
+  Served s(*model, cfg);
   std::vector<int32_t> prompt{3, 1, 4, 1, 5, 9, 2, 6};
   RequestOptions free_run;
   free_run.max_tokens = 12;
@@ -281,12 +313,12 @@ TEST_P(SchedulerTest, StopIdsEndARequestEarly) {
 }
 
 TEST_P(SchedulerTest, CancelFreesBlocksAndLeavesOthersIntact) {
-  SchedulerConfig cfg;
+  ServeSetup cfg;
   cfg.block_size = 4;
   cfg.kv_blocks = 40;
   cfg.max_batch = 2;  // so that some requests are still waiting when cancelled
   cfg.max_step_tokens = 16;
-  Scheduler t(*model, cfg);
+  Served t(*model, cfg);
   std::mt19937 rng(17);
   std::vector<std::vector<int32_t>> prompts;
   std::vector<uint64_t> ids;
@@ -323,11 +355,11 @@ TEST_P(SchedulerTest, CancelFreesBlocksAndLeavesOthersIntact) {
 }
 
 TEST_P(SchedulerTest, BadRequestsAreRejectedWithOneLine) {
-  SchedulerConfig cfg;
+  ServeSetup cfg;
   cfg.block_size = 4;
   cfg.kv_blocks = 8;
   cfg.max_context = 64;
-  Scheduler s(*model, cfg);
+  Served s(*model, cfg);
   const int32_t vocab = static_cast<int32_t>(model->config().vocab_size);
   auto rejects = [&](std::vector<int32_t> prompt, RequestOptions o, const std::string& words) {
     auto e = expect_error([&] { s.submit(prompt, o); });
@@ -368,12 +400,12 @@ TEST_P(SchedulerTest, BadRequestsAreRejectedWithOneLine) {
 }
 
 TEST_P(SchedulerTest, BadConfigsAreRejected) {
-  auto fails = [&](SchedulerConfig c, const std::string& words) {
-    auto e = expect_error([&] { Scheduler s(*model, c); });
+  auto fails = [&](ServeSetup c, const std::string& words) {
+    auto e = expect_error([&] { Served s(*model, c); });
     EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
     EXPECT_NE(e.message().find(words), std::string::npos) << e.message();
   };
-  SchedulerConfig c;
+  ServeSetup c;
   c.max_batch = 0;
   fails(c, "max_batch");
   c = {};
@@ -411,10 +443,10 @@ TEST(SchedulerText, StreamedTextAndStopStrings) {
   const std::string stop = text.substr(text.size() / 2, 4);
   const std::string before = text.substr(0, text.find(stop));
 
-  SchedulerConfig cfg;
+  ServeSetup cfg;
   cfg.block_size = 8;
   cfg.kv_blocks = 32;
-  Scheduler s(*model, cfg, &tok);
+  Served s(*model, cfg, &tok);
   RequestOptions with_stop = o;
   with_stop.stop_strings = {"never appears in this text \x01", stop};
   const uint64_t plain = s.submit(prompt, o), stopped = s.submit(prompt, with_stop);

@@ -10,6 +10,7 @@
 
 #include "io/chat_template.h"
 #include "io/tokenizer.h"
+#include "backend/cpu/cpu_executor.h"
 #include "model/model.h"
 #include "serve/openai_api.h"
 #include "serve/openai_request.h"
@@ -211,7 +212,8 @@ struct Recorded : http::Response {
 struct Served {
   Api api;
   std::unique_ptr<Model> model = Model::load(model_dir());
-  RequestLoop loop{std::make_unique<Scheduler>(*model, SchedulerConfig{}, &api.tok)};
+  cpu::Executor executor{*model, cpu::ExecutorOptions{.sampled_vocab = api.tok.vocab_size()}};
+  RequestLoop loop{std::make_unique<Scheduler>(executor, SchedulerConfig{}, &api.tok)};
   OpenAiApi routes{api.preparer, loop};
   Recorded call(const std::string& method, const std::string& path, const std::string& body = "") {
     http::Request req;

@@ -17,6 +17,7 @@
 #include "core/rank_threads.h"
 #include "moe/errors.h"
 #include "runtime/block_allocator.h"
+#include "runtime/sequence_table.h"
 
 namespace moe::cuda {
 namespace {
@@ -26,18 +27,6 @@ using engine::carve_workspace;
 using engine::Shapes;
 using engine::StepMeta;
 using engine::Workspace;
-
-struct Sequence {
-  bool open = false;
-  int64_t length = 0;
-  int64_t draws = 0;  // tokens sampled so far: the RNG step of the next draw
-  std::vector<int32_t> blocks;
-  // Prefix reuse: the tokens whose keys and values the cache holds, how many of its full blocks
-  // are published, and the chain key of the last of them.
-  std::vector<int32_t> tokens;
-  int64_t published = 0;
-  uint64_t last_key = 0;
-};
 
 struct DecodeGraph {
   int bucket = 0;
@@ -64,7 +53,8 @@ struct Engine::State {
   // Blocks 1 .. kv_blocks - 1 as allocator blocks 0 .. kv_blocks - 2 (block 0 is the scratch
   // block of padding rows); rank 0's, for every rank.
   std::unique_ptr<BlockAllocator> blocks;
-  std::vector<Sequence> seqs;
+  std::unique_ptr<SequenceTable> table;  // over `blocks`, which it gives back to as it dies
+  runtime::ExecutorLimits limits;
   std::vector<DecodeGraph> graphs;
   std::vector<int> buckets;
   // Profiling: events recorded between operations while `profiling` (never inside a capture).
@@ -263,47 +253,24 @@ struct Engine::State {
                                    cudaMemcpyHostToDevice, stream));
   }
 
-  int32_t slot_of(const Sequence& s, int64_t position) const {
-    return s.blocks[static_cast<size_t>(position / opts.block_size)] * opts.block_size +
-           static_cast<int32_t>(position % opts.block_size);
-  }
-  int64_t blocks_needed(const Sequence& s, int64_t new_length) const {
-    const int64_t want = (new_length + opts.block_size - 1) / opts.block_size;
-    return std::max<int64_t>(0, want - static_cast<int64_t>(s.blocks.size()));
-  }
-  void grow(Sequence& s, int64_t new_length) {
-    for (int64_t n = blocks_needed(s, new_length); n > 0; --n) {
-      const int32_t b = blocks->allocate();
-      MOE_CHECK(b >= 0, kInternal, "KV block allocation failed after the free count was checked");
-      s.blocks.push_back(b + 1);
-    }
+  // The device cache row of the sequence's token at `position` (device block = allocator block + 1).
+  int32_t slot_of(int32_t seq, int64_t position) const {
+    return static_cast<int32_t>(table->slot(seq, position) + opts.block_size);
   }
   int64_t free_blocks() const { return blocks->free_blocks(); }
-
-  // Records the tokens just cached and publishes the sequence's newly full blocks.
-  void cached(Sequence& s, std::span<const int32_t> ids) {
-    s.tokens.insert(s.tokens.end(), ids.begin(), ids.end());
-    if (!opts.prefix_reuse) return;
-    const int64_t bs = opts.block_size;
-    for (; s.published < s.length / bs; ++s.published) {
-      const auto block = std::span<const int32_t>(s.tokens).subspan(static_cast<size_t>(s.published * bs),
-                                                                    static_cast<size_t>(bs));
-      s.last_key = BlockAllocator::chain_hash(s.last_key, block);
-      blocks->publish(s.blocks[static_cast<size_t>(s.published)] - 1, s.last_key, block);
-    }
-  }
   void write_table(int row, const Sequence* s) {
-    int32_t* table = host(meta.block_tables) + static_cast<int64_t>(row) * max_blocks;
-    std::fill_n(table, max_blocks, 0);  // block 0 is the scratch block of padding rows
-    if (s) std::copy(s->blocks.begin(), s->blocks.end(), table);
+    int32_t* t = host(meta.block_tables) + static_cast<int64_t>(row) * max_blocks;
+    std::fill_n(t, max_blocks, 0);  // block 0 is the scratch block of padding rows
+    if (s)
+      for (size_t i = 0; i < s->blocks.size(); ++i) t[i] = s->blocks[i] + 1;
   }
-  void write_sampling(int row, const SamplingParams& params, const Sequence* s) {
+  void write_sampling(int row, const SamplingParams& params, int64_t draw) {
     const SamplingParams p = effective_sampling(params, config.vocab_size);  // as the CPU sampler
     host(meta.temperature)[row] = p.temperature;
     host(meta.top_k)[row] = p.top_k;
     host(meta.top_p)[row] = p.top_p;
     host(meta.seed)[row] = p.seed;
-    host(meta.step)[row] = s ? static_cast<int32_t>(s->draws) : 0;
+    host(meta.step)[row] = static_cast<int32_t>(draw);
   }
 
   // Multi-head latent attention in the absorbed form: keys and values never leave the latent
@@ -689,7 +656,7 @@ struct Engine::State {
       host(meta.seq_starts)[r] = r;
       host(meta.context_lens)[r] = 1;
       write_table(r, nullptr);
-      write_sampling(r, SamplingParams{}, nullptr);
+      write_sampling(r, SamplingParams{}, 0);
     }
     host(meta.seq_starts)[to] = to;
   }
@@ -760,87 +727,41 @@ std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions
   s.each_rank([&](State& x) { x.allocate_kv(blocks); });
   if (o.record_routing) s.allocate_routing_log();
   s.blocks = std::make_unique<BlockAllocator>(blocks - 1, o.block_size);
+  s.table = std::make_unique<SequenceTable>(*s.blocks, o.max_batch, o.max_context, o.prefix_reuse);
+  s.limits = {o.max_batch, o.max_context, o.block_size, blocks - 1, mc.vocab_size};
   return engine;
 }
 
-int32_t Engine::open_sequence() {
-  State& s = *s_;
-  int open = 0;
-  for (const Sequence& q : s.seqs) open += q.open;
-  MOE_CHECK(open < s.opts.max_batch, kInvalidArgument, "{} sequences are open: the engine was set up for at most {}",
-            open, s.opts.max_batch);
-  for (size_t i = 0; i < s.seqs.size(); ++i)
-    if (!s.seqs[i].open) {
-      s.seqs[i] = Sequence{};
-      s.seqs[i].open = true;
-      return static_cast<int32_t>(i);
-    }
-  s.seqs.push_back(Sequence{});
-  s.seqs.back().open = true;
-  return static_cast<int32_t>(s.seqs.size() - 1);
-}
-
-void Engine::close_sequence(int32_t seq) {
-  State& s = *s_;
-  MOE_CHECK(seq >= 0 && static_cast<size_t>(seq) < s.seqs.size() && s.seqs[static_cast<size_t>(seq)].open,
-            kInvalidArgument, "sequence {} is not open", seq);
-  Sequence& q = s.seqs[static_cast<size_t>(seq)];
-  for (int32_t b : q.blocks) s.blocks->release(b - 1);
-  q = Sequence{};
-}
-
-int64_t Engine::length(int32_t seq) const {
-  const State& s = *s_;
-  MOE_CHECK(seq >= 0 && static_cast<size_t>(seq) < s.seqs.size() && s.seqs[static_cast<size_t>(seq)].open,
-            kInvalidArgument, "sequence {} is not open", seq);
-  return s.seqs[static_cast<size_t>(seq)].length;
-}
-
+const runtime::ExecutorLimits& Engine::limits() const { return s_->limits; }
+int32_t Engine::open() { return s_->table->open(); }
+void Engine::close(int32_t seq) { s_->table->close(seq); }
+int64_t Engine::length(int32_t seq) const { return s_->table->at(seq).length; }
 int64_t Engine::reuse_prefix(int32_t seq, std::span<const int32_t> tokens) {
-  State& s = *s_;
-  MOE_CHECK(seq >= 0 && static_cast<size_t>(seq) < s.seqs.size() && s.seqs[static_cast<size_t>(seq)].open,
-            kInvalidArgument, "sequence {} is not open", seq);
-  Sequence& q = s.seqs[static_cast<size_t>(seq)];
-  MOE_CHECK(q.length == 0, kInvalidArgument, "prefix reuse needs an empty sequence; sequence {} holds {} tokens",
-            seq, q.length);
-  if (!s.opts.prefix_reuse || tokens.empty()) return 0;
-  // At least the last token stays to compute: the next token is sampled from its logits, and
-  // the block it lands in must be the sequence's own to write.
-  const int64_t bs = s.opts.block_size;
-  const int64_t reusable = std::min<int64_t>((static_cast<int64_t>(tokens.size()) - 1) / bs, s.max_blocks);
-  for (int64_t i = 0; i < reusable; ++i) {
-    const auto block = tokens.subspan(static_cast<size_t>(i * bs), static_cast<size_t>(bs));
-    const uint64_t key = BlockAllocator::chain_hash(q.last_key, block);
-    const int32_t b = s.blocks->acquire_cached(key, block);
-    if (b < 0) break;
-    q.blocks.push_back(b + 1);
-    q.last_key = key;
-    ++q.published;
-  }
-  q.length = q.published * bs;
-  q.tokens.assign(tokens.begin(), tokens.begin() + q.length);
-  return q.length;
+  return s_->table->reuse_prefix(seq, tokens);
+}
+runtime::KvUsage Engine::kv_usage() const {
+  const State& s = *s_;
+  return {s.blocks->num_blocks(), s.blocks->free_blocks(), s.blocks->cached_blocks()};
 }
 
-int32_t Engine::prefill(int32_t seq, std::span<const int32_t> ids, const SamplingParams& params,
-                        Tensor* logits, bool all_logits, OpProfile* profile) {
-  State& s = *s_;
+namespace {
+
+using State = Engine::State;
+
+// Runs `ids` after sequence `seq`'s cached tokens (in chunks of max_step_tokens) and draws its
+// next token as draw number `draw`.
+int32_t run_prefill(Engine::State& s, int32_t seq, std::span<const int32_t> ids, const SamplingParams& params,
+                    int64_t draw, Tensor* logits, bool all_logits, OpProfile* profile) {
   const ModelConfig& c = s.config;
   MOE_CUDA_CHECK(cudaSetDevice(s.opts.device));  // the caller's thread may not be the loader's
   validate_sampling(params);
-  MOE_CHECK(seq >= 0 && static_cast<size_t>(seq) < s.seqs.size() && s.seqs[static_cast<size_t>(seq)].open,
-            kInvalidArgument, "sequence {} is not open", seq);
-  Sequence& q = s.seqs[static_cast<size_t>(seq)];
+  const Sequence& q = s.table->at(seq);
   const int64_t n = static_cast<int64_t>(ids.size());
   MOE_CHECK(n > 0, kInvalidArgument, "empty input: at least one token is needed");
   for (int32_t id : ids)
     MOE_CHECK(id >= 0 && id < c.vocab_size, kInvalidArgument,
               "token id {} is outside the vocabulary [0, {})", id, c.vocab_size);
-  MOE_CHECK(q.length + n <= s.opts.max_context, kInvalidArgument,
-            "context full: {} cached + {} new tokens exceed the context of {}", q.length, n, s.opts.max_context);
-  MOE_CHECK(s.blocks_needed(q, q.length + n) <= s.free_blocks(), kInvalidArgument,
-            "KV cache full: {} more blocks needed, {} free", s.blocks_needed(q, q.length + n), s.free_blocks());
-  s.grow(q, q.length + n);
+  s.table->reserve(seq, n);  // checks the context and the free blocks first
   if (logits) *logits = Tensor::zeros({all_logits ? n : 1, c.vocab_size});
   const int64_t start = q.length;
   // Profiled prefill runs as usual (eagerly): its kernels are long enough that launch gaps
@@ -854,13 +775,13 @@ int32_t Engine::prefill(int32_t seq, std::span<const int32_t> ids, const Samplin
       const int64_t pos = start + c0 + i;
       s.host(s.meta.ids)[i] = ids[static_cast<size_t>(c0 + i)];
       s.host(s.meta.positions)[i] = static_cast<int32_t>(pos);
-      s.host(s.meta.slots)[i] = s.slot_of(q, pos);
+      s.host(s.meta.slots)[i] = s.slot_of(seq, pos);
     }
     s.host(s.meta.seq_starts)[0] = 0;
     s.host(s.meta.seq_starts)[1] = static_cast<int32_t>(rows);
     s.host(s.meta.context_lens)[0] = static_cast<int32_t>(start + c1);
     s.write_table(0, &q);
-    s.write_sampling(0, params, &q);
+    s.write_sampling(0, params, draw);
     const size_t meta_bytes = s.meta_arena.used();
     s.each_rank([&](State& x) {
       if (x.rank > 0) std::memcpy(x.meta_host, s.meta_host, meta_bytes);
@@ -889,36 +810,35 @@ int32_t Engine::prefill(int32_t seq, std::span<const int32_t> ids, const Samplin
   if (logits && !all_logits)
     MOE_CUDA_CHECK(cudaMemcpy(logits->data<float>(), s.ws.logits, static_cast<size_t>(c.vocab_size) * 4,
                               cudaMemcpyDeviceToHost));
-  q.length += n;
-  ++q.draws;
-  s.cached(q, ids);
+  s.table->append(seq, ids);
   return next;
 }
 
-std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<const int32_t> tokens,
-                                    std::span<const SamplingParams> params, OpProfile* profile) {
-  State& s = *s_;
+// One decode step of sequences `seqs`, each taking one token and drawing its next as draw
+// number draws[i].
+std::vector<int32_t> run_decode(Engine::State& s, const Engine& engine, std::span<const int32_t> seqs,
+                                std::span<const int32_t> tokens, std::span<const SamplingParams> params,
+                                std::span<const int64_t> draws, OpProfile* profile) {
   const ModelConfig& c = s.config;
   MOE_CUDA_CHECK(cudaSetDevice(s.opts.device));
   const int64_t b = static_cast<int64_t>(seqs.size());
   MOE_CHECK(b >= 1 && b <= s.opts.max_batch, kInvalidArgument,
             "a decode step takes 1 to {} sequences, got {}", s.opts.max_batch, b);
-  MOE_CHECK(tokens.size() == seqs.size() && params.size() == seqs.size(), kInvalidArgument,
-            "decode: {} sequences but {} tokens and {} sampling settings", b, tokens.size(), params.size());
+  MOE_CHECK(tokens.size() == seqs.size() && params.size() == seqs.size() && draws.size() == seqs.size(),
+            kInvalidArgument, "decode: {} sequences but {} tokens and {} sampling settings", b, tokens.size(),
+            params.size());
   int64_t blocks = 0;
   for (int64_t i = 0; i < b; ++i) {
     const int32_t id = seqs[static_cast<size_t>(i)];
-    MOE_CHECK(id >= 0 && static_cast<size_t>(id) < s.seqs.size() && s.seqs[static_cast<size_t>(id)].open,
-              kInvalidArgument, "sequence {} is not open", id);
+    const Sequence& q = s.table->at(id);  // throws for a sequence that is not open
     for (int64_t j = 0; j < i; ++j)
       MOE_CHECK(seqs[static_cast<size_t>(j)] != id, kInvalidArgument, "sequence {} appears twice in one step", id);
     const int32_t t = tokens[static_cast<size_t>(i)];
     MOE_CHECK(t >= 0 && t < c.vocab_size, kInvalidArgument, "token id {} is outside the vocabulary [0, {})", t, c.vocab_size);
     validate_sampling(params[static_cast<size_t>(i)]);
-    const Sequence& q = s.seqs[static_cast<size_t>(id)];
     MOE_CHECK(q.length + 1 <= s.opts.max_context, kInvalidArgument,
               "context full: sequence {} holds {} tokens, the context is {}", id, q.length, s.opts.max_context);
-    blocks += s.blocks_needed(q, q.length + 1);
+    blocks += s.table->blocks_needed(id, 1);
   }
   MOE_CHECK(blocks <= s.free_blocks(), kInvalidArgument, "KV cache full: {} more blocks needed, {} free",
             blocks, s.free_blocks());
@@ -928,24 +848,22 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
       bucket = candidate;
       break;
     }
-  for (int64_t i = 0; i < b; ++i) {
-    Sequence& q = s.seqs[static_cast<size_t>(seqs[static_cast<size_t>(i)])];
-    s.grow(q, q.length + 1);
-  }
+  for (int64_t i = 0; i < b; ++i) s.table->reserve(seqs[static_cast<size_t>(i)], 1);
   // The bucket's graph first: capturing it (on first use) runs on padding metadata, so the real
   // rows are written after it, once.
   const bool use_graph = s.opts.graphs && !profile;
   if (use_graph) s.each_rank([&](State& x) { x.graph_for(bucket); });
   for (int64_t i = 0; i < b; ++i) {
-    const Sequence& q = s.seqs[static_cast<size_t>(seqs[static_cast<size_t>(i)])];
+    const int32_t seq = seqs[static_cast<size_t>(i)];
+    const Sequence& q = s.table->at(seq);
     const int r = static_cast<int>(i);
     s.host(s.meta.ids)[r] = tokens[static_cast<size_t>(i)];
     s.host(s.meta.positions)[r] = static_cast<int32_t>(q.length);
-    s.host(s.meta.slots)[r] = s.slot_of(q, q.length);
+    s.host(s.meta.slots)[r] = s.slot_of(seq, q.length);
     s.host(s.meta.seq_starts)[r] = r;
     s.host(s.meta.context_lens)[r] = static_cast<int32_t>(q.length + 1);
     s.write_table(r, &q);
-    s.write_sampling(r, params[static_cast<size_t>(i)], &q);
+    s.write_sampling(r, params[static_cast<size_t>(i)], draws[static_cast<size_t>(i)]);
   }
   s.fill_padding(static_cast<int>(b), bucket);
   const size_t meta_bytes = s.meta_arena.used();
@@ -971,17 +889,12 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
       MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), sampled, static_cast<size_t>(b) * 4, cudaMemcpyDeviceToHost, x.stream));
     x.finish_step();
   });
-  for (int64_t i = 0; i < b; ++i) {
-    Sequence& q = s.seqs[static_cast<size_t>(seqs[static_cast<size_t>(i)])];
-    ++q.length;
-    ++q.draws;
-    s.cached(q, tokens.subspan(static_cast<size_t>(i), 1));
-  }
+  for (int64_t i = 0; i < b; ++i) s.table->append(seqs[static_cast<size_t>(i)], tokens.subspan(static_cast<size_t>(i), 1));
   if (profile) {
     s.collect(profile);
     const int64_t k = std::max<int64_t>(c.moe.top_k, 1);
     s.last_tokens = b;
-    const std::vector<int32_t> routed = last_routing();
+    const std::vector<int32_t> routed = engine.last_routing();
     for (int64_t l = 0; l < c.num_layers; ++l) {
       std::vector<bool> used(static_cast<size_t>(std::max<int64_t>(c.moe.num_experts, 1)), false);
       int touched = 0;
@@ -997,6 +910,64 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
     }
   }
   return out;
+}
+
+}  // namespace
+
+int32_t Engine::prefill(int32_t seq, std::span<const int32_t> ids, const SamplingParams& params, Tensor* logits,
+                        bool all_logits, OpProfile* profile) {
+  const int32_t next = run_prefill(*s_, seq, ids, params, s_->table->at(seq).draws, logits, all_logits, profile);
+  s_->table->count_draw(seq);
+  return next;
+}
+
+std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<const int32_t> tokens,
+                                    std::span<const SamplingParams> params, OpProfile* profile) {
+  std::vector<int64_t> draws;
+  for (int32_t seq : seqs) draws.push_back(s_->table->at(seq).draws);
+  std::vector<int32_t> out = run_decode(*s_, *this, seqs, tokens, params, draws, profile);
+  for (int32_t seq : seqs) s_->table->count_draw(seq);
+  return out;
+}
+
+std::vector<int32_t> Engine::run(const runtime::StepPlan& plan) {
+  State& s = *s_;
+  runtime::check_plan(plan, *this);
+  int64_t need = 0;
+  for (const runtime::StepRow& r : plan.rows) need += s.table->blocks_needed(r.seq, r.count);
+  MOE_CHECK(need <= s.free_blocks(), kInvalidArgument, "KV cache full: {} more blocks needed, {} free", need,
+            s.free_blocks());
+  std::vector<int32_t> next(plan.rows.size(), -1);
+  std::vector<size_t> decode_rows;
+  std::vector<int32_t> seqs, tokens;
+  std::vector<SamplingParams> params;
+  std::vector<int64_t> draws;
+  for (size_t i = 0; i < plan.rows.size(); ++i) {
+    const runtime::StepRow& r = plan.rows[i];
+    if (r.count != 1 || s.table->at(r.seq).length == 0) continue;
+    decode_rows.push_back(i);
+    seqs.push_back(r.seq);
+    tokens.push_back(plan.tokens[static_cast<size_t>(r.offset)]);
+    params.push_back(r.sampling);
+    draws.push_back(r.draw);
+  }
+  if (!decode_rows.empty()) {
+    const std::vector<int32_t> drawn = run_decode(s, *this, seqs, tokens, params, draws, nullptr);
+    for (size_t j = 0; j < decode_rows.size(); ++j) next[decode_rows[j]] = drawn[j];
+  }
+  for (size_t i = 0, j = 0; i < plan.rows.size(); ++i) {
+    if (j < decode_rows.size() && decode_rows[j] == i) {
+      ++j;
+      continue;
+    }
+    const runtime::StepRow& r = plan.rows[i];
+    next[i] = run_prefill(s, r.seq, std::span<const int32_t>(plan.tokens).subspan(static_cast<size_t>(r.offset),
+                                                                                 static_cast<size_t>(r.count)),
+                          r.sampling, r.draw, nullptr, false, nullptr);
+  }
+  for (size_t i = 0; i < plan.rows.size(); ++i)
+    if (!plan.rows[i].sample) next[i] = -1;
+  return next;
 }
 
 std::vector<int32_t> Engine::last_routing() const {

@@ -14,8 +14,8 @@ std::unique_ptr<Engine> Engine::load(const std::string&, const EngineOptions&) {
 }
 const ModelConfig& Engine::config() const { MOE_THROW(kInternal, "no CUDA engine"); }
 const EngineOptions& Engine::options() const { MOE_THROW(kInternal, "no CUDA engine"); }
-int32_t Engine::open_sequence() { MOE_THROW(kInternal, "no CUDA engine"); }
-void Engine::close_sequence(int32_t) {}
+int32_t Engine::open() { MOE_THROW(kInternal, "no CUDA engine"); }
+void Engine::close(int32_t) {}
 int64_t Engine::length(int32_t) const { return 0; }
 int64_t Engine::reuse_prefix(int32_t, std::span<const int32_t>) { MOE_THROW(kInternal, "no CUDA engine"); }
 int32_t Engine::prefill(int32_t, std::span<const int32_t>, const SamplingParams&, Tensor*, bool, OpProfile*) {
@@ -25,6 +25,9 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t>, std::span<const in
                                     std::span<const SamplingParams>, OpProfile*) {
   MOE_THROW(kInternal, "no CUDA engine");
 }
+const runtime::ExecutorLimits& Engine::limits() const { MOE_THROW(kInternal, "no CUDA engine"); }
+runtime::KvUsage Engine::kv_usage() const { return {}; }
+std::vector<int32_t> Engine::run(const runtime::StepPlan&) { MOE_THROW(kInternal, "no CUDA engine"); }
 MemoryReport Engine::memory() const { return {}; }
 std::vector<int32_t> Engine::last_routing() const { return {}; }
 

@@ -1,4 +1,4 @@
-// serve::GpuScheduler over the CUDA engine on the qwen3-moe fixture: concurrent requests of mixed
+// serve::Scheduler over the CUDA engine (as its executor) on the qwen3-moe fixture: concurrent requests of mixed
 // lengths give the greedy tokens each gives alone; a pool too small for all of them preempts and
 // still completes every request; cancel frees the sequence; bad requests are refused; no KV block
 // stays in use afterwards. Skipped, visibly, where no CUDA device exists.
@@ -11,15 +11,15 @@
 #include "backend/cuda_engine.h"
 #include "gpu_test_util.h"
 #include "moe/errors.h"
-#include "serve/gpu_scheduler.h"
+#include "serve/scheduler.h"
 
 namespace moe {
 namespace {
 
 using serve::Event;
 using serve::FinishReason;
-using serve::GpuScheduler;
-using serve::GpuSchedulerConfig;
+using serve::Scheduler;
+using serve::SchedulerConfig;
 using serve::RequestOptions;
 
 std::unique_ptr<cuda::Engine> load(int max_batch, int64_t kv_blocks) {
@@ -47,7 +47,7 @@ struct Outcome {
   std::map<uint64_t, std::vector<int32_t>> tokens;
   std::map<uint64_t, FinishReason> finish;
 };
-void drain(GpuScheduler& s, Outcome& out, int max_steps = 10000) {
+void drain(Scheduler& s, Outcome& out, int max_steps = 10000) {
   for (int i = 0; i < max_steps && s.busy(); ++i)
     for (const Event& e : s.step()) {
       if (e.token >= 0) out.tokens[e.id].push_back(e.token);
@@ -59,8 +59,8 @@ void drain(GpuScheduler& s, Outcome& out, int max_steps = 10000) {
 // Token-for-token comparisons run without prefix reuse: a request that starts after cached blocks
 // computes its other rows in another chunk, and the fixture's near-ties flip under the different
 // bf16 rounding (reuse itself is checked against the bf16 bound in CudaEngine.PrefixReuse*).
-GpuSchedulerConfig no_reuse(int64_t max_step_tokens) {
-  GpuSchedulerConfig c{max_step_tokens, 0};
+SchedulerConfig no_reuse(int64_t max_step_tokens) {
+  SchedulerConfig c{max_step_tokens, 0};
   c.prefix_reuse = false;
   return c;
 }
@@ -74,7 +74,7 @@ RequestOptions greedy(int64_t max_tokens) {
 std::vector<std::vector<int32_t>> alone(cuda::Engine& engine, const std::vector<std::vector<int32_t>>& ps,
                                         int64_t max_tokens) {
   std::vector<std::vector<int32_t>> out;
-  GpuScheduler s(engine, no_reuse(256));
+  Scheduler s(engine, no_reuse(256));
   for (const auto& p : ps) {
     Outcome o;
     const uint64_t id = s.submit(p, greedy(max_tokens));
@@ -84,12 +84,12 @@ std::vector<std::vector<int32_t>> alone(cuda::Engine& engine, const std::vector<
   return out;
 }
 
-TEST(GpuScheduler, ConcurrentRequestsMatchEachAlone) {
+TEST(CudaScheduler, ConcurrentRequestsMatchEachAlone) {
   REQUIRE_GPU();
   auto engine = load(4, 0);
   const auto ps = prompts(9, engine->config().vocab_size);
   const auto want = alone(*engine, ps, 12);
-  GpuScheduler s(*engine, no_reuse(256));
+  Scheduler s(*engine, no_reuse(256));
   std::vector<uint64_t> ids;
   for (const auto& p : ps) ids.push_back(s.submit(p, greedy(12)));
   Outcome got;
@@ -106,13 +106,13 @@ TEST(GpuScheduler, ConcurrentRequestsMatchEachAlone) {
 // the newest requests are preempted and recomputed. Recomputation runs the generated tokens as a
 // prefill (other kernels than the decode that first made them), so only the first token of
 // each, which comes from its prompt alone, must equal the alone run; all must complete.
-TEST(GpuScheduler, PreemptsWhenBlocksRunOutAndCompletesEveryRequest) {
+TEST(CudaScheduler, PreemptsWhenBlocksRunOutAndCompletesEveryRequest) {
   REQUIRE_GPU();
   auto engine = load(4, 16);
   auto ps = prompts(4, engine->config().vocab_size);
   for (auto& p : ps) p.resize(30, 7);
   const auto want = alone(*engine, ps, 40);
-  GpuScheduler s(*engine, no_reuse(64));
+  Scheduler s(*engine, no_reuse(64));
   std::vector<uint64_t> ids;
   for (const auto& p : ps) ids.push_back(s.submit(p, greedy(40)));
   Outcome got;
@@ -127,12 +127,12 @@ TEST(GpuScheduler, PreemptsWhenBlocksRunOutAndCompletesEveryRequest) {
   EXPECT_EQ(engine->memory().kv_blocks_free, engine->memory().kv_blocks - 1);
 }
 
-TEST(GpuScheduler, CancelFreesTheSequenceAndOthersContinue) {
+TEST(CudaScheduler, CancelFreesTheSequenceAndOthersContinue) {
   REQUIRE_GPU();
   auto engine = load(4, 0);
   const auto ps = prompts(3, engine->config().vocab_size);
   const auto want = alone(*engine, ps, 20);
-  GpuScheduler s(*engine, no_reuse(256));
+  Scheduler s(*engine, no_reuse(256));
   std::vector<uint64_t> ids;
   for (const auto& p : ps) ids.push_back(s.submit(p, greedy(20)));
   Outcome got;
@@ -149,10 +149,10 @@ TEST(GpuScheduler, CancelFreesTheSequenceAndOthersContinue) {
   EXPECT_EQ(engine->memory().kv_blocks_free, engine->memory().kv_blocks - 1);
 }
 
-TEST(GpuScheduler, RefusesRequestsThatCannotRun) {
+TEST(CudaScheduler, RefusesRequestsThatCannotRun) {
   REQUIRE_GPU();
   auto engine = load(2, 0);
-  GpuScheduler s(*engine, no_reuse(256));
+  Scheduler s(*engine, no_reuse(256));
   auto kind = [&](std::vector<int32_t> p, RequestOptions o) {
     try {
       s.submit(std::move(p), o);
@@ -170,14 +170,14 @@ TEST(GpuScheduler, RefusesRequestsThatCannotRun) {
   strings.stop_strings = {"x"};
   EXPECT_EQ(kind({1, 2}, strings), ErrorKind::kInvalidArgument) << "stop strings without a tokenizer";
   EXPECT_FALSE(s.busy());
-  EXPECT_THROW(GpuScheduler(*engine, GpuSchedulerConfig{1, 0}), Error) << "budget below max_batch";
+  EXPECT_THROW(Scheduler(*engine, SchedulerConfig{1, 0}), Error) << "budget below max_batch";
 }
 
 // Requests that share a 40-token prompt prefix, on a fresh engine: once the first has run, each
 // later one starts after the two shared 16-token blocks (prefix_hit_tokens counts them), every
 // request still gets its tokens, and no block stays in use. Then the same without reuse. (The tokens themselves are compared with recomputation
 // in CudaEngine.PrefixReuseMatchesRecompute, where the bf16 bound applies.)
-TEST(GpuScheduler, SharedPromptPrefixesAreReused) {
+TEST(CudaScheduler, SharedPromptPrefixesAreReused) {
   REQUIRE_GPU();
   auto engine = load(4, 0);
   const auto vocab = static_cast<uint32_t>(engine->config().vocab_size);
@@ -192,9 +192,9 @@ TEST(GpuScheduler, SharedPromptPrefixesAreReused) {
   }
   ps.push_back(shared);  // the prefix alone: its last token is still computed
   for (bool reuse : {true, false}) {
-    GpuSchedulerConfig c{256, 0};
+    SchedulerConfig c{256, 0};
     c.prefix_reuse = reuse;
-    GpuScheduler s(*engine, c);
+    Scheduler s(*engine, c);
     Outcome o;
     std::vector<uint64_t> ids{s.submit(ps[0], greedy(6))};
     drain(s, o);
