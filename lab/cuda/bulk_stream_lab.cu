@@ -23,10 +23,12 @@
 // Timed two ways: chained (8 layers with their own weights and experts in one graph, gate_up and
 // down_combine chained by programmatic dependent launch; each kernel alone chained 8 times too)
 // and cold (one layer, L2 flushed before each replay: moe-bench layer's method). act and y are
-// compared bit for bit with the library's one-token kernels. Results: NOTES2.md (none kept).
+// compared bit for bit with the library's one-token kernels. Results (none kept):
+// docs/perf/bulk-copy-weights.md, docs/perf/gate-up-m1-order-and-pages.md, docs/perf/m1-cold-floor.md.
 //
-// Build: nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Isrc \
-//          -o /tmp/bulk_stream_lab lab/cuda/bulk_stream_lab.cu src/backend/cuda/moe_plan.cu
+// Build: cmake -DMOE_BUILD_LAB=ON, target lab_bulk_stream; or by hand from the repository root:
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Isrc \
+//     -Iinclude -o /tmp/bulk_stream_lab lab/cuda/bulk_stream_lab.cu src/backend/cuda/moe_plan.cu
 // Run:   /tmp/bulk_stream_lab
 #include "backend/cuda/moe_decode.cu"
 

@@ -20,9 +20,11 @@
 // vLLM is 33.3. If the best "ids, 2" here is not well under 33.3 cold, no kernel design of
 // this layout reaches the target under this timing.
 //
-// Build (development machine, carried to the GPU machine):
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc -o /tmp/cold_stream_lab \
-//     lab/cuda/cold_stream_lab.cu
+// Results: docs/perf/m1-cold-floor.md.
+//
+// Build: cmake -DMOE_BUILD_LAB=ON, target lab_cold_stream; or by hand from the repository root:
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc -Iinclude \
+//     -o /tmp/cold_stream_lab lab/cuda/cold_stream_lab.cu
 #include <cuda_runtime.h>
 
 #include <algorithm>

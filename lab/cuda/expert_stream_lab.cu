@@ -16,8 +16,11 @@
 // and gate_up alone, chained: the library's, with the expert list known (no routing), with a
 // non-persistent grid, fast routing, one token, and a dense GEMV over the same bytes.
 //
-// Build: nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Isrc \
-//          -o /tmp/expert_stream_lab lab/cuda/expert_stream_lab.cu src/backend/cuda/moe_plan.cu
+// Results and what was taken from them: docs/perf/one-token-expert-kernels.md.
+//
+// Build: cmake -DMOE_BUILD_LAB=ON, target lab_expert_stream; or by hand from the repository root:
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Isrc \
+//     -Iinclude -o /tmp/expert_stream_lab lab/cuda/expert_stream_lab.cu src/backend/cuda/moe_plan.cu
 // Run:   /tmp/expert_stream_lab
 #include "backend/cuda/moe_decode.cu"
 

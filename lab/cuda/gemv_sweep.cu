@@ -1,23 +1,35 @@
 // Kernel lab: the dense bf16 GEMV of decode (y = W x, W [n, k] row-major, M rows of x) over the
 // shapes of a qwen3-30b-a3b decode step at batch 1: the fused qkv projection (5120 x 2048), the
-// output projection (2048 x 4096) and a wide one (lm_head-like, 32768 x 2048). Variants: rows per
-// warp, 16-byte loads in flight per row, warps per block, and the load instruction (the read-only
-// path, or the experts' streaming load: no L1 allocation, 256-byte L2 fetches).
+// output projection (2048 x 4096) and a wide one (lm_head-like, 32768 x 2048). The first row is
+// the library's own `gemv_bf16` (src/backend/cuda/gemv.cu, whatever block shape it picks for the
+// shape); the others are variants of one lab kernel: rows per warp, 16-byte loads in flight per
+// row, warps per block, and the load instruction (the read-only path, or the library's streaming
+// load from stream_load.cuh: no L1 allocation, 256-byte L2 fetches).
 //
 // Method: every launch reads a different copy of W (copies spanning 4x the L2), so weights come
-// from HBM as in a decode step; eight launches chained by programmatic dependent launch in a CUDA
-// graph, replayed 30 times after 5, time per launch from events. Each variant's output is
-// compared with the first variant's (the library's configuration at the time).
+// from HBM as in a decode step; eight launches chained by programmatic dependent launch (pdl.h)
+// in a CUDA graph, replayed 30 times after 5, time per launch from events. Each variant's output
+// is compared with the library's.
 //
-// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/gemv_sweep lab/cuda/gemv_sweep.cu
+// Build: cmake -DMOE_BUILD_LAB=ON, target lab_gemv_sweep; or by hand from the repository root:
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc -Iinclude \
+//     -o /tmp/gemv_sweep lab/cuda/gemv_sweep.cu src/backend/cuda/gemv.cu
+// Decisions taken from it: docs/perf/dense-gemv-blocks.md.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <vector>
+
+#include "backend/cuda/gemv_launch.h"
+#include "backend/cuda/pdl.h"
+#include "backend/cuda/stream_load.cuh"
+
+using moe::cuda::kernels::load_stream;
 
 #define CHECK(x)                                                                                 \
   do {                                                                                           \
@@ -27,14 +39,6 @@
       std::exit(1);                                                                              \
     }                                                                                            \
   } while (0)
-
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
 
 __device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -50,8 +54,7 @@ __device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) {
 template <int M, int ROWS, int UNROLL, int WARPS, bool STREAM>
 __global__ void __launch_bounds__(WARPS * 32) gemv(const uint4* __restrict__ x, const uint4* __restrict__ w,
                                                    __nv_bfloat16* __restrict__ y, int n, int k8) {
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  moe::cuda::kernels::begin_dependent();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row0 = (blockIdx.x * WARPS + warp) * ROWS;
   if (row0 >= n) return;
@@ -110,30 +113,17 @@ struct Result {
   double us, tbs, rel;
 };
 
-template <int M, int ROWS, int UNROLL, int WARPS, bool STREAM>
-Result run(const Shape& s, const std::vector<uint4*>& ws, const uint4* x, __nv_bfloat16* y,
-           std::vector<float>* reference) {
+// Times `launch(w, stream)` over the weight copies: kChain launches in one graph, replayed.
+template <int M, typename Launch>
+Result time_chain(const Shape& s, const std::vector<uint4*>& ws, __nv_bfloat16* y,
+                  std::vector<float>* reference, Launch&& launch) {
   cudaStream_t stream;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const int rows_per_block = WARPS * ROWS;
-  const dim3 grid((s.n + rows_per_block - 1) / rows_per_block);
-  auto launch = [&](const uint4* w) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(WARPS * 32);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    CHECK(cudaLaunchKernelEx(&cfg, gemv<M, ROWS, UNROLL, WARPS, STREAM>, x, w, y, s.n, s.k / 8));
-  };
   constexpr int kChain = 8;
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < kChain; ++i) launch(ws[i % ws.size()]);
+  for (int i = 0; i < kChain; ++i) launch(ws[i % ws.size()], stream);
   CHECK(cudaStreamEndCapture(stream, &graph));
   CHECK(cudaGraphInstantiate(&exec, graph, 0));
   for (int i = 0; i < 5; ++i) CHECK(cudaGraphLaunch(exec, stream));
@@ -169,6 +159,26 @@ Result run(const Shape& s, const std::vector<uint4*>& ws, const uint4* x, __nv_b
   return {us, static_cast<double>(s.n) * s.k * 2 / (us * 1e-6) / 1e12, rel};
 }
 
+// The library's dense GEMV, as the engine calls it (bf16 out, rows M, ldy n).
+template <int M>
+Result run_library(const Shape& s, const std::vector<uint4*>& ws, const uint4* x, __nv_bfloat16* y,
+                   std::vector<float>* reference) {
+  return time_chain<M>(s, ws, y, reference, [&](const uint4* w, cudaStream_t stream) {
+    CHECK(moe::cuda::kernels::gemv_bf16(x, w, y, false, M, s.n, s.k, s.n, stream));
+  });
+}
+
+template <int M, int ROWS, int UNROLL, int WARPS, bool STREAM>
+Result run(const Shape& s, const std::vector<uint4*>& ws, const uint4* x, __nv_bfloat16* y,
+           std::vector<float>* reference) {
+  const int rows_per_block = WARPS * ROWS;
+  const dim3 grid((s.n + rows_per_block - 1) / rows_per_block);
+  return time_chain<M>(s, ws, y, reference, [&](const uint4* w, cudaStream_t stream) {
+    CHECK(moe::cuda::kernels::launch_dependent(gemv<M, ROWS, UNROLL, WARPS, STREAM>, grid,
+                                               dim3(WARPS * 32), 0, stream, x, w, y, s.n, s.k / 8));
+  });
+}
+
 template <int M>
 void sweep(const Shape& s) {
   const size_t bytes = static_cast<size_t>(s.n) * s.k * 2;
@@ -198,7 +208,8 @@ void sweep(const Shape& s) {
   auto show = [&](const char* label, Result r) {
     std::printf("  %-34s %8.2f us %6.2f TB/s  rel %.1e\n", label, r.us, r.tbs, r.rel);
   };
-  show("rows2 unroll4 warps8 ldg (lib)", run<M, 2, 4, 8, false>(s, ws, x, y, &ref));
+  show("library gemv_bf16 (reference)", run_library<M>(s, ws, x, y, &ref));
+  show("rows2 unroll4 warps8 ldg", run<M, 2, 4, 8, false>(s, ws, x, y, &ref));
   show("rows2 unroll4 warps8 stream", run<M, 2, 4, 8, true>(s, ws, x, y, &ref));
   show("rows2 unroll8 warps8 ldg", run<M, 2, 8, 8, false>(s, ws, x, y, &ref));
   show("rows2 unroll8 warps8 stream", run<M, 2, 8, 8, true>(s, ws, x, y, &ref));

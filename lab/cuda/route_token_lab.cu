@@ -1,7 +1,9 @@
 // Where one warp's routing of one token spends its cycles (qwen3-30b-a3b: 128 experts, top 8,
 // softmax, renormalised): clock64 around each phase of route_token, one warp, logits in global
-// memory as the fused router reads them. Build:
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc -o route_token_lab lab/cuda/route_token_lab.cu
+// memory as the fused router reads them. Results: docs/perf/router-top-k.md. Build: cmake
+// -DMOE_BUILD_LAB=ON, target lab_route_token; or by hand from the repository root:
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc -Iinclude \
+//     -o /tmp/route_token_lab lab/cuda/route_token_lab.cu
 #include <cstdio>
 #include <vector>
 #include <random>

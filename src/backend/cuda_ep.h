@@ -1,7 +1,7 @@
 // Expert parallelism on the GPUs of one process: each rank (one GPU, one host thread) holds a
 // contiguous block of a layer's routed experts (ExpertPlacement), every rank passes the same
 // tokens and routing (attention is replicated), and every rank gets the full [T, H] output. The
-// backends compute the same function and differ in what moves (DESIGN.md, "Expert parallelism"):
+// backends compute the same function and differ in what moves (docs/architecture.md, "Expert parallelism"):
 //   local_allreduce          each rank runs its experts' slots of all T tokens; an all-reduce
 //                            of [T, H] sums the partial outputs;
 //   allgather_reducescatter  tokens sharded by rank: all-gather the shards, run, reduce-scatter

@@ -8,7 +8,7 @@
 
 namespace moe::dist {
 
-// The ways tokens reach the experts of other ranks (DESIGN.md, "Expert parallelism"). They all
+// The ways tokens reach the experts of other ranks (docs/architecture.md, "Expert parallelism"). They all
 // compute the same function; they differ in what moves between ranks.
 enum class EpBackend {
   kLocalAllreduce,          // "local_allreduce": every rank sees every token; all-reduce after
