@@ -18,6 +18,8 @@
 #include <cstdint>
 
 #include "backend/cuda/attention_launch.h"
+#include "backend/cuda/mma_sync.cuh"
+#include "backend/cuda/online_softmax.cuh"
 #include "backend/cuda/pdl.h"
 
 namespace moe::cuda::kernels {
@@ -25,7 +27,6 @@ namespace moe::cuda::kernels {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr float kLog2e = 1.4426950408889634f;
 
 // Split heuristics of the row kernel. A split covers at least kMinChunk positions (fewer would
 // spend more on the partial results than on the keys); splits are added until about
@@ -286,33 +287,6 @@ __global__ void split_reduce_kernel(const PagedAttentionParams p, int splits,
 constexpr int kTileQ = 64;
 constexpr int kTileK = 64;
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-
-__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
 // grid: x = tile slot (counted from the back, so the longest causal tiles start first),
 // y = query head.
 template <int D>
@@ -397,55 +371,25 @@ __global__ void __launch_bounds__(kThreads) tiled_attention_kernel(const PagedAt
           mma_bf16(s[nt + 1], qf[kk], b[2], b[3]);
         }
       }
-      float mx_a = -INFINITY, mx_b = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < kTileK / 8; ++nt) {
+      // Causal: each row sees the keys up to its own position.
+      const auto causal = [&](int nt, float (&c)[4]) {
         const int j = kt + nt * 8 + 2 * tq;
-        s[nt][0] = j <= pos_a ? s[nt][0] * scale : -INFINITY;
-        s[nt][1] = j + 1 <= pos_a ? s[nt][1] * scale : -INFINITY;
-        s[nt][2] = j <= pos_b ? s[nt][2] * scale : -INFINITY;
-        s[nt][3] = j + 1 <= pos_b ? s[nt][3] * scale : -INFINITY;
-        mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
-        mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
-      }
-#pragma unroll
-      for (int off = 1; off < 4; off <<= 1) {
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
-      }
-      const float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
-      // A row with no visible key yet keeps -inf; subtracting 0 then gives exp2(-inf) = 0.
-      const float use_a = new_a == -INFINITY ? 0.f : new_a;
-      const float use_b = new_b == -INFINITY ? 0.f : new_b;
-      const float alpha_a = exp2f(m_a - use_a), alpha_b = exp2f(m_b - use_b);
-      m_a = new_a;
-      m_b = new_b;
-      float sum_a = 0.f, sum_b = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kTileK / 8; ++nt) {
-        s[nt][0] = exp2f(s[nt][0] - use_a);
-        s[nt][1] = exp2f(s[nt][1] - use_a);
-        s[nt][2] = exp2f(s[nt][2] - use_b);
-        s[nt][3] = exp2f(s[nt][3] - use_b);
-        sum_a += s[nt][0] + s[nt][1];
-        sum_b += s[nt][2] + s[nt][3];
-      }
-      l_a = l_a * alpha_a + sum_a;  // per-thread partial; the quad is summed at the end
-      l_b = l_b * alpha_b + sum_b;
-#pragma unroll
-      for (int nd = 0; nd < D / 8; ++nd) {
-        o[nd][0] *= alpha_a;
-        o[nd][1] *= alpha_a;
-        o[nd][2] *= alpha_b;
-        o[nd][3] *= alpha_b;
-      }
+        c[0] = j <= pos_a ? c[0] * scale : -INFINITY;
+        c[1] = j + 1 <= pos_a ? c[1] * scale : -INFINITY;
+        c[2] = j <= pos_b ? c[2] * scale : -INFINITY;
+        c[3] = j + 1 <= pos_b ? c[3] * scale : -INFINITY;
+      };
+      const TileMax t = raise_running_max(s, m_a, m_b, causal);
+      m_a = t.m_a;
+      m_b = t.m_b;
+      const RowPair sum = tile_weights_and_sums(s, t);
+      l_a = l_a * t.alpha_a + sum.a;
+      l_b = l_b * t.alpha_b + sum.b;
+      rescale_rows(o, t);
 #pragma unroll
       for (int kk = 0; kk < kTileK / 16; ++kk) {
         uint32_t a[4];
-        a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-        a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-        a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        accumulators_to_a_fragment(s[2 * kk], s[2 * kk + 1], a);
 #pragma unroll
         for (int nd = 0; nd < D / 8; nd += 2) {
           uint32_t b[4];
@@ -459,6 +403,7 @@ __global__ void __launch_bounds__(kThreads) tiled_attention_kernel(const PagedAt
     __syncthreads();
   }
 
+  // Every thread of the quad gets its rows' whole l.
 #pragma unroll
   for (int off = 1; off < 4; off <<= 1) {
     l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
@@ -549,18 +494,6 @@ __device__ __forceinline__ int decode_chunk(int visible, int chunk, int split_ca
 __device__ __forceinline__ int decode_splits(int visible, int chunk, int max_splits) {
   const int n = (visible + chunk - 1) / chunk;
   return n < 1 ? 1 : (n > max_splits ? max_splits : n);
-}
-
-// 16 bytes global -> shared, bypassing L1; ok == false writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(void* smem, const void* src, bool ok) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(ok ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // grid: x = row, y = head group, z = split slot.
@@ -683,50 +616,26 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(const Pag
       mma_bf16(s[0], qf[kk], b[0], b[1]);
       mma_bf16(s[1], qf[kk], b[2], b[3]);
     }
-    float mx_a = -INFINITY, mx_b = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+    // Padding rows (heads past the group) and keys past the split are masked.
+    const auto in_split = [&](int nt, float (&c)[4]) {
       const int j = t0 + nt * 8 + 2 * tq;
-      s[nt][0] = ra && j < end ? s[nt][0] * scale : -INFINITY;
-      s[nt][1] = ra && j + 1 < end ? s[nt][1] * scale : -INFINITY;
-      s[nt][2] = rb && j < end ? s[nt][2] * scale : -INFINITY;
-      s[nt][3] = rb && j + 1 < end ? s[nt][3] * scale : -INFINITY;
-      mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
-      mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
-    }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
-      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
-    }
-    const float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
-    // Padding rows stay at -inf; subtracting 0 then gives exp2(-inf) = 0 weights.
-    const float use_a = new_a == -INFINITY ? 0.f : new_a;
-    const float use_b = new_b == -INFINITY ? 0.f : new_b;
-    const float alpha_a = exp2f(m_a - use_a), alpha_b = exp2f(m_b - use_b);
-    m_a = new_a;
-    m_b = new_b;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      s[nt][0] = exp2f(s[nt][0] - use_a);
-      s[nt][1] = exp2f(s[nt][1] - use_a);
-      s[nt][2] = exp2f(s[nt][2] - use_b);
-      s[nt][3] = exp2f(s[nt][3] - use_b);
-    }
-    l_a = l_a * alpha_a + (s[0][0] + s[0][1] + s[1][0] + s[1][1]);  // per thread; quad summed at the end
-    l_b = l_b * alpha_b + (s[0][2] + s[0][3] + s[1][2] + s[1][3]);
-#pragma unroll
-    for (int nd = 0; nd < D / 8; ++nd) {
-      o[nd][0] *= alpha_a;
-      o[nd][1] *= alpha_a;
-      o[nd][2] *= alpha_b;
-      o[nd][3] *= alpha_b;
-    }
+      c[0] = ra && j < end ? c[0] * scale : -INFINITY;
+      c[1] = ra && j + 1 < end ? c[1] * scale : -INFINITY;
+      c[2] = rb && j < end ? c[2] * scale : -INFINITY;
+      c[3] = rb && j + 1 < end ? c[3] * scale : -INFINITY;
+    };
+    // The step of online_softmax.cuh with tile_weights rather than tile_weights_and_sums: this
+    // kernel adds a row's four weights left to right in one expression, not n8 tile by n8 tile.
+    // The order sets the rounding of l, and with it the last bits of the output.
+    const TileMax t = raise_running_max(s, m_a, m_b, in_split);
+    m_a = t.m_a;
+    m_b = t.m_b;
+    tile_weights(s, t);
+    l_a = l_a * t.alpha_a + (s[0][0] + s[0][1] + s[1][0] + s[1][1]);
+    l_b = l_b * t.alpha_b + (s[0][2] + s[0][3] + s[1][2] + s[1][3]);
+    rescale_rows(o, t);
     uint32_t a[4];
-    a[0] = pack_bf16(s[0][0], s[0][1]);
-    a[1] = pack_bf16(s[0][2], s[0][3]);
-    a[2] = pack_bf16(s[1][0], s[1][1]);
-    a[3] = pack_bf16(s[1][2], s[1][3]);
+    accumulators_to_a_fragment(s[0], s[1], a);
 #pragma unroll
     for (int nd = 0; nd < D / 8; nd += 2) {
       uint32_t b[4];
