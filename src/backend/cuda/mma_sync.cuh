@@ -1,8 +1,8 @@
-// The warp-level tensor-core primitives of the attention kernels (attention.cu,
-// latent_attention.cu): cp.async copies of 16 bytes into shared memory, ldmatrix loads of bf16
-// fragments, the mma.sync m16n8k16 bf16 -> f32 product and the packing of f32 accumulators back
-// into bf16 operands. One copy so that the fragment layouts these kernels rely on (see
-// accumulators_to_a_fragment) are written down once. Device code, CUDA headers only.
+// The warp-level tensor-core primitives of the attention kernels (attention_tiled.cu,
+// attention_decode.cu, latent_attention.cu): cp.async copies of 16 bytes into shared memory,
+// ldmatrix loads of bf16 fragments, the mma.sync m16n8k16 bf16 -> f32 product and the packing of
+// f32 accumulators back into bf16 operands. One copy so that the fragment layouts these kernels
+// rely on (see accumulators_to_a_fragment) are written down once. Device code, CUDA headers only.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,8 +1,8 @@
 // The online softmax of the tensor-core attention kernels: the paged tiled and decode kernels
-// (attention.cu) and the latent kernel (latent_attention.cu). All three hold a score tile
-// S = Q K^T in mma.sync m16n8k16 accumulators and walk the keys tile by tile, so they share one
-// copy of the step that folds a tile into the running softmax: the -inf handling and the
-// rescaling are written once, and a fix to them reaches all three kernels.
+// (attention_tiled.cu, attention_decode.cu) and the latent kernel (latent_attention.cu). All three
+// hold a score tile S = Q K^T in mma.sync m16n8k16 accumulators and walk the keys tile by tile, so
+// they share one copy of the step that folds a tile into the running softmax: the -inf handling
+// and the rescaling are written once, and a fix to them reaches all three kernels.
 //
 // What it computes, per query row, over the key tiles seen so far (FlashAttention-2):
 //   m = max of the scores,  l = sum of exp2(score - m),  O = sum of exp2(score - m) * V.
