@@ -23,6 +23,8 @@
 #include <cstdint>
 
 #include "backend/cuda/latent_attention_launch.h"
+#include "backend/cuda/mma_sync.cuh"
+#include "backend/cuda/online_softmax.cuh"
 
 namespace moe::cuda::kernels {
 
@@ -32,7 +34,6 @@ constexpr int kThreads = 128;  // 4 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kSlots = 16;     // query slots per block: the m16 of the mma
 constexpr int kKeys = 32;      // keys per shared-memory tile
-constexpr float kLog2e = 1.4426950408889634f;
 
 // Split heuristics. A split covers at least one key tile; splits are added while tiles x splits
 // stays within kTargetBlocks, one wave at two blocks per SM on 132 SMs (what shared memory allows
@@ -51,43 +52,6 @@ int choose_splits(int tokens, int heads, int max_context) {
   long long s = by_len < by_fill ? by_len : by_fill;
   s = s < kMaxSplits ? s : kMaxSplits;
   return s < 1 ? 1 : static_cast<int>(s);
-}
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, bypassing L1; valid == false writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  const int bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(smem)));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(smem)));
-}
-
-__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
 }
 
 __device__ __forceinline__ float block_sum(float v, float* s_red) {
@@ -232,7 +196,7 @@ __global__ void __launch_bounds__(kThreads) latent_attention_kernel(const Latent
   }
   if (begin < end) load_keys(s_kv, begin);
   cp_async_commit();
-  cp_async_wait_all();
+  cp_async_wait<0>();
   __syncthreads();
   uint32_t qf[KS][4];
 #pragma unroll
@@ -294,50 +258,17 @@ __global__ void __launch_bounds__(kThreads) latent_attention_kernel(const Latent
       s[nt][2] = j <= pos_b && j < end ? acc.z * scale : -INFINITY;
       s[nt][3] = j + 1 <= pos_b && j + 1 < end ? acc.w * scale : -INFINITY;
     }
-    float mx_a = -INFINITY, mx_b = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
-      mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
-    }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
-      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
-    }
-    const float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
-    // A slot with no visible key yet keeps -inf; subtracting 0 then gives exp2(-inf) = 0.
-    const float use_a = new_a == -INFINITY ? 0.f : new_a;
-    const float use_b = new_b == -INFINITY ? 0.f : new_b;
-    const float alpha_a = exp2f(m_a - use_a), alpha_b = exp2f(m_b - use_b);
-    m_a = new_a;
-    m_b = new_b;
-    float sum_a = 0.f, sum_b = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      s[nt][0] = exp2f(s[nt][0] - use_a);
-      s[nt][1] = exp2f(s[nt][1] - use_a);
-      s[nt][2] = exp2f(s[nt][2] - use_b);
-      s[nt][3] = exp2f(s[nt][3] - use_b);
-      sum_a += s[nt][0] + s[nt][1];
-      sum_b += s[nt][2] + s[nt][3];
-    }
-    l_a = l_a * alpha_a + sum_a;  // per-thread partial; the quad is summed at the end
-    l_b = l_b * alpha_b + sum_b;
-#pragma unroll
-    for (int i = 0; i < 2 * VS; ++i) {
-      o[i][0] *= alpha_a;
-      o[i][1] *= alpha_a;
-      o[i][2] *= alpha_b;
-      o[i][3] *= alpha_b;
-    }
+    const TileMax t = raise_running_max(s, m_a, m_b, AlreadyMasked{});
+    m_a = t.m_a;
+    m_b = t.m_b;
+    const RowPair sum = tile_weights_and_sums(s, t);
+    l_a = l_a * t.alpha_a + sum.a;
+    l_b = l_b * t.alpha_b + sum.b;
+    rescale_rows(o, t);
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
       uint32_t a[4];
-      a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      accumulators_to_a_fragment(s[2 * kk], s[2 * kk + 1], a);
 #pragma unroll
       for (int i = 0; i < VS; ++i) {
         if (i < vs) {
@@ -349,10 +280,11 @@ __global__ void __launch_bounds__(kThreads) latent_attention_kernel(const Latent
         }
       }
     }
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();  // the next tile has landed; this tile's buffer and s_s are free
   }
 
+  // Every thread of the quad gets its rows' whole l.
 #pragma unroll
   for (int off = 1; off < 4; off <<= 1) {
     l_a += __shfl_xor_sync(0xffffffffu, l_a, off);

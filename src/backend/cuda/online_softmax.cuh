@@ -1,0 +1,132 @@
+// The online softmax of the tensor-core attention kernels: the paged tiled and decode kernels
+// (attention_tiled.cu, attention_decode.cu) and the latent kernel (latent_attention.cu). All three
+// hold a score tile S = Q K^T in mma.sync m16n8k16 accumulators and walk the keys tile by tile, so
+// they share one copy of the step that folds a tile into the running softmax: the -inf handling
+// and the rescaling are written once, and a fix to them reaches all three kernels.
+//
+// What it computes, per query row, over the key tiles seen so far (FlashAttention-2):
+//   m = max of the scores,  l = sum of exp2(score - m),  O = sum of exp2(score - m) * V.
+// Scores are in the log2 domain (the caller multiplies Q K^T by scale * kLog2e), so every
+// exponential is a bare exp2. When a tile raises m, the l and O accumulated so far are multiplied
+// by alpha = exp2(m_old - m_new). After the last tile the caller divides O by l, or hands (m, l, O)
+// to a merge of context splits. A row whose scores are all -inf so far (masked, or padding) keeps
+// m = -inf and gets zero weights: its exponentials are taken against 0 instead of -inf, which would
+// give NaN.
+//
+// A thread holds two rows of the tile in the accumulator layout (mma_sync.cuh): row a = lane / 4
+// and row b = lane / 4 + 8, two columns of each n8 tile; the four threads of a quad share a row.
+// The max is reduced over the quad at every tile; l is kept per thread (each its share of the
+// row) and summed over the quad once, after the last tile.
+//
+// A kernel's step over one tile of NT n8 score tiles, with ND n8 tiles of output:
+//   const TileMax t = raise_running_max(s, m_a, m_b, mask);
+//   m_a = t.m_a;  m_b = t.m_b;
+//   const RowPair sum = tile_weights_and_sums(s, t);  // s now holds the weights P
+//   l_a = l_a * t.alpha_a + sum.a;  l_b = l_b * t.alpha_b + sum.b;
+//   rescale_rows(o, t);  // then O += P V
+// The state (m_a, m_b, l_a, l_b) is four floats of the kernel, and these functions take and return
+// values: with the state in a struct, or passed by reference, nvcc generated different code for
+// the kernels (the decode kernel's register count changed). For the same reason each kernel sums
+// its l over the quad itself (five lines).
+// Device code, CUDA headers only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+namespace moe::cuda::kernels {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// One value for each of a thread's two rows.
+struct RowPair {
+  float a, b;
+};
+
+// What a tile did to the running max of a thread's two rows.
+struct TileMax {
+  float m_a, m_b;          // the new running max, -inf while the row has seen no key
+  float use_a, use_b;      // what the tile's weights are taken against: the max, or 0 while -inf
+  float alpha_a, alpha_b;  // exp2(m_old - m_new): multiplies the l and O accumulated so far
+};
+
+// The scores of a tile are S = Q K^T scaled into the log2 domain, at -inf where a row may not see
+// the key. A kernel that has them ready passes AlreadyMasked; one that holds the raw products
+// passes a functor mask(nt, s[nt]) that scales and masks n8 tile nt in place, within the same pass
+// over the tile that takes the max.
+struct AlreadyMasked {
+  __device__ __forceinline__ void operator()(int, float (&)[4]) const {}
+};
+
+// Takes a tile of NT n8 score tiles into the running max (m_a, m_b: the max before the tile).
+template <int NT, class Mask>
+__device__ __forceinline__ TileMax raise_running_max(float (&s)[NT][4], float m_a, float m_b, const Mask& mask) {
+  float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    mask(nt, s[nt]);
+    mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+    mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
+  }
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
+  }
+  TileMax t;
+  t.m_a = fmaxf(m_a, mx_a);
+  t.m_b = fmaxf(m_b, mx_b);
+  // A row with no visible key yet keeps -inf; subtracting 0 then gives exp2(-inf) = 0.
+  t.use_a = t.m_a == -INFINITY ? 0.f : t.m_a;
+  t.use_b = t.m_b == -INFINITY ? 0.f : t.m_b;
+  t.alpha_a = exp2f(m_a - t.use_a);
+  t.alpha_b = exp2f(m_b - t.use_b);
+  return t;
+}
+
+// The tile's scores become their weights exp2(s - m_new): the P of O += P V, ready for
+// accumulators_to_a_fragment.
+template <int NT>
+__device__ __forceinline__ void tile_weights(float (&s)[NT][4], const TileMax& t) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    s[nt][0] = exp2f(s[nt][0] - t.use_a);
+    s[nt][1] = exp2f(s[nt][1] - t.use_a);
+    s[nt][2] = exp2f(s[nt][2] - t.use_b);
+    s[nt][3] = exp2f(s[nt][3] - t.use_b);
+  }
+}
+
+// tile_weights, and this thread's share of each row's sum of the weights, added n8 tile by n8
+// tile. One loop for both: the same arithmetic as tile_weights followed by the sums, but ptxas
+// schedules the two forms differently, and this one is the form the tiled and latent kernels
+// were timed with.
+template <int NT>
+__device__ __forceinline__ RowPair tile_weights_and_sums(float (&s)[NT][4], const TileMax& t) {
+  float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    s[nt][0] = exp2f(s[nt][0] - t.use_a);
+    s[nt][1] = exp2f(s[nt][1] - t.use_a);
+    s[nt][2] = exp2f(s[nt][2] - t.use_b);
+    s[nt][3] = exp2f(s[nt][3] - t.use_b);
+    sum_a += s[nt][0] + s[nt][1];
+    sum_b += s[nt][2] + s[nt][3];
+  }
+  return {sum_a, sum_b};
+}
+
+// O *= alpha, for ND n8 tiles of output accumulators.
+template <int ND>
+__device__ __forceinline__ void rescale_rows(float (&o)[ND][4], const TileMax& t) {
+#pragma unroll
+  for (int nd = 0; nd < ND; ++nd) {
+    o[nd][0] *= t.alpha_a;
+    o[nd][1] *= t.alpha_a;
+    o[nd][2] *= t.alpha_b;
+    o[nd][3] *= t.alpha_b;
+  }
+}
+
+}  // namespace moe::cuda::kernels
