@@ -104,7 +104,7 @@ sanitize_each() {
   [ $((clean + skipped)) -eq "$total" ]
 }
 
-GPU_TESTS='Cuda*:*/Cuda*:Nccl*:*PeerAllReduce*:GpuScheduler*'
+GPU_TESTS='Cuda*:*/Cuda*:Nccl*:*PeerAllReduce*'
 # The op tests under the sanitizers (the timing tests only print; they are left out).
 OP_SUITES='CudaOps*:CudaPlan*:CudaRoute*:CudaNormRoute*:CudaSample*:CudaAttention*:CudaLatent*:CudaMoe*:CudaBlas*:*PeerAllReduce*'
 OP_TESTS=${SANITIZE_FILTER:-"$OP_SUITES:-*Timing*"}

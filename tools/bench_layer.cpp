@@ -13,7 +13,7 @@
 #include "bench_common.h"
 #include "bench_layer.h"
 #include "backend/device_info.h"
-#include "dist/inprocess_communicator.h"
+#include "dist/rank_group.h"
 #include "moe/ep/ep_backend.h"
 #include "moe/errors.h"
 #include "moe/router.h"

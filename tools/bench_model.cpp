@@ -9,7 +9,7 @@
 
 #include "bench_common.h"
 #include "bench_model.h"
-#include "dist/inprocess_communicator.h"
+#include "dist/rank_group.h"
 #include "model/model.h"
 #include "moe/ep/ep_backend.h"
 #include "moe/errors.h"

@@ -10,10 +10,11 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "backend/cpu/cpu_executor.h"
 #include "backend/cuda_engine.h"
 #include "backend/device_info.h"
 #include "cli_common.h"
-#include "dist/inprocess_communicator.h"
+#include "dist/dist_config.h"
 #include "io/chat_template.h"
 #include "io/checkpoint.h"
 #include "io/tokenizer.h"
@@ -52,20 +53,23 @@ struct Common {
     return true;
   }
 
-  std::unique_ptr<cuda::Engine> load_cuda(int64_t context, int64_t sampled_vocab = 0) const {
-    cuda::EngineOptions eo;
-    eo.progress = true;
-    eo.random_weights = random_weights;
-    eo.seed = weights_seed;
-    eo.max_batch = max_batch;
-    eo.max_context = context;
-    eo.sampled_vocab = sampled_vocab;
-    eo.tp = tp;
-    eo.ep = ep;
-    return cuda::Engine::load(model_dir, eo);
-  }
-
-  LoadOptions load_options() const {
+  // What generate and logits run on, for one sequence of up to `context` tokens: the CUDA
+  // engine, or the CPU model as --ep rank threads (`cpu_out` then points at it). The parallel
+  // settings are checked before any weight is read.
+  std::unique_ptr<runtime::Executor> load_executor(int64_t context, int64_t sampled_vocab,
+                                                   cpu::Executor** cpu_out = nullptr) const {
+    if (on_cuda()) {
+      cuda::EngineOptions eo;
+      eo.progress = true;
+      eo.random_weights = random_weights;
+      eo.seed = weights_seed;
+      eo.max_batch = max_batch;
+      eo.max_context = context;
+      eo.sampled_vocab = sampled_vocab;
+      eo.tp = tp;
+      eo.ep = ep;
+      return cuda::Engine::load(model_dir, eo);
+    }
     LoadOptions lo;
     lo.threads = threads;
     lo.progress = true;
@@ -73,40 +77,17 @@ struct Common {
     lo.seed = weights_seed;
     lo.exec = parse_exec_mode(exec);
     lo.ep_backend = dist::parse_ep_backend(ep_backend);
-    return lo;
-  }
-
-  // Checks the parallel settings before anything is read, then runs `job` once per rank (ranks
-  // are threads, each with its own model holding its block of experts). `job` gets the model
-  // and whether it is rank 0, which alone prints.
-  void run(const std::function<void(Model&, bool)>& job) const {
-    dist::DistConfig dc;
-    dc.ep = ep;
-    dc.ep_backend = ep_backend;
-    dist::validate_dist_config(dc);
-    LoadOptions base = load_options();
-    if (ep > 1) {
-      ModelConfig mc = load_model_config(model_dir);  // ep vs. experts, before any weight
-      dist::validate_ep_for_model(dc, mc.moe.num_experts);
-    }
-    auto finish = [&](Model& model, bool first) {
-      if (first && expert_stats) print_expert_stats(model);
-    };
-    if (ep == 1) {
-      auto model = Model::load(model_dir, base);
-      job(*model, true);
-      finish(*model, true);
-      return;
-    }
-    base.threads = std::max(1, (threads > 0 ? threads : static_cast<int>(std::thread::hardware_concurrency())) / ep);
-    dist::run_ranks(ep, [&](int rank, dist::Communicator& comm) {
-      LoadOptions lo = base;
-      lo.comm = &comm;
-      lo.progress = base.progress && rank == 0;
-      auto model = Model::load(model_dir, lo);
-      job(*model, rank == 0);
-      finish(*model, rank == 0);
-    });
+    // One block as long as the context: the cache is as contiguous as a plain array.
+    cpu::ExecutorOptions xo;
+    xo.max_context = std::max<int64_t>(context, 2);
+    xo.block_size = xo.max_context;
+    xo.kv_blocks = max_batch;
+    xo.max_sequences = max_batch;
+    xo.sampled_vocab = sampled_vocab;
+    xo.prefix_reuse = false;
+    auto x = cpu::Executor::load(model_dir, lo, ep, xo);
+    if (cpu_out) *cpu_out = x.get();
+    return x;
   }
 
   static void print_expert_stats(Model& model) {
@@ -171,11 +152,6 @@ int run_generate(const Common& c, const std::string& prompt, int n, const Sampli
   // Streams tokens from `first` (the prompt's) and `next` (each later one) until n or EOS.
   auto stream_out = [&](const ModelConfig& mc, bool print, const std::function<int32_t()>& first,
                         const std::function<int32_t(int32_t)>& next) {
-    const int64_t capacity = ctx > 0 ? ctx : std::min<int64_t>(mc.max_position_embeddings,
-                                                               static_cast<int64_t>(ids.size()) + n);
-    MOE_CHECK(static_cast<int64_t>(ids.size()) + n <= capacity, kInvalidArgument,
-              "prompt ({} tokens) + {} new tokens exceed the context of {} tokens", ids.size(), n,
-              capacity);
     StreamDecoder stream(tok, /*skip_special=*/false);
     t0 = std::chrono::steady_clock::now();
     int32_t token = first();  // the prompt runs even for -n 0: its time is printed
@@ -202,37 +178,31 @@ int run_generate(const Common& c, const std::string& prompt, int n, const Sampli
                  ids.size(), ids.size() / prompt_s, generated,
                  generated > 0 ? generated / gen_s : 0.0);
   };
-  if (c.on_cuda()) {
-    const ModelConfig mc = load_model_config(c.model_dir);
-    const int64_t context = ctx > 0 ? ctx : std::min<int64_t>(mc.max_position_embeddings,
-                                                              static_cast<int64_t>(ids.size()) + n);
-    auto engine = c.load_cuda(context, std::min<int64_t>(mc.vocab_size, tok.vocab_size()));
-    const int32_t seq = engine->open();
-    const SamplingParams device_sp = sp;
-    stream_out(mc, true, [&] { return engine->prefill(seq, ids, device_sp); },
-               [&](int32_t token) {
-                 std::vector<int32_t> seqs{seq}, tokens{token};
-                 std::vector<SamplingParams> params{device_sp};
-                 return engine->decode(seqs, tokens, params)[0];
-               });
-    return 0;
-  }
-  c.run([&](Model& model, bool print) {
-    const ModelConfig& mc = model.config();
-    const int64_t capacity = ctx > 0 ? ctx : std::min<int64_t>(mc.max_position_embeddings,
-                                                               static_cast<int64_t>(ids.size()) + n);
-    KvCache cache = model.new_cache(capacity);
-    Sampler sampler(sp);
-    // Models pad their vocabulary past the tokenizer's ids (Qwen3: 151936 vs 151669); ids with
-    // no token are never sampled.
-    const int64_t usable = std::min<int64_t>(mc.vocab_size, tok.vocab_size());
-    stream_out(mc, print,
-               [&] { return sampler.sample(model.forward(ids, cache).data<float>(), usable); },
-               [&](int32_t token) {
-                 std::vector<int32_t> one{token};
-                 return sampler.sample(model.forward(one, cache).data<float>(), usable);
-               });
-  });
+  const ModelConfig mc = load_model_config(c.model_dir);
+  const int64_t context = ctx > 0 ? ctx : std::min<int64_t>(mc.max_position_embeddings,
+                                                            static_cast<int64_t>(ids.size()) + n);
+  MOE_CHECK(static_cast<int64_t>(ids.size()) + n <= context, kInvalidArgument,
+            "prompt ({} tokens) + {} new tokens exceed the context of {} tokens", ids.size(), n, context);
+  // Models pad their vocabulary past the tokenizer's ids (Qwen3: 151936 vs 151669); ids with no
+  // token are never sampled.
+  cpu::Executor* cpu = nullptr;
+  auto executor = c.load_executor(context, std::min<int64_t>(mc.vocab_size, tok.vocab_size()), &cpu);
+  const int32_t seq = executor->open();
+  int64_t draws = 0;
+  auto step = [&](std::span<const int32_t> tokens) {
+    runtime::StepPlan plan;
+    plan.tokens.assign(tokens.begin(), tokens.end());
+    runtime::StepRow row;
+    row.seq = seq;
+    row.count = static_cast<int32_t>(tokens.size());
+    row.sample = true;
+    row.sampling = sp;
+    row.draw = draws++;
+    plan.rows.push_back(row);
+    return executor->run(plan).tokens[0];
+  };
+  stream_out(mc, true, [&] { return step(ids); }, [&](int32_t token) { return step({&token, 1}); });
+  if (cpu && c.expert_stats) Common::print_expert_stats(cpu->model());
   return 0;
 }
 
@@ -253,18 +223,17 @@ int run_logits(const Common& c, const std::string& ids_text) {
     out += "]}\n";
     std::fwrite(out.data(), 1, out.size(), stdout);
   };
-  if (c.on_cuda()) {
-    auto engine = c.load_cuda(static_cast<int64_t>(ids.size()));
-    Tensor logits;
-    engine->prefill(engine->open(), ids, SamplingParams{}, &logits, /*all_logits=*/true);
-    print_logits(logits);
-    return 0;
-  }
-  c.run([&](Model& model, bool print) {
-    KvCache cache = model.new_cache(static_cast<int64_t>(ids.size()));
-    Tensor logits = model.forward(ids, cache, /*all_logits=*/true);
-    if (print) print_logits(logits);
-  });
+  cpu::Executor* cpu = nullptr;
+  auto executor = c.load_executor(static_cast<int64_t>(ids.size()), 0, &cpu);
+  runtime::StepPlan plan;
+  plan.tokens = ids;
+  runtime::StepRow row;
+  row.seq = executor->open();
+  row.count = static_cast<int32_t>(ids.size());
+  row.logits = runtime::RowLogits::kAll;
+  plan.rows.push_back(row);
+  print_logits(executor->run(plan).logits[0]);
+  if (cpu && c.expert_stats) Common::print_expert_stats(cpu->model());
   return 0;
 }
 

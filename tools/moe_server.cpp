@@ -20,6 +20,8 @@
 #include "cli_common.h"
 #include "io/chat_template.h"
 #include "io/tokenizer.h"
+#include "dist/dist_config.h"
+#include "model/config.h"
 #include "model/model.h"
 #include "moe/errors.h"
 #include "serve/http/http_server.h"
@@ -64,7 +66,13 @@ int main(int argc, char** argv) {
     app.add_option("--port", port, "port to listen on (0: any free port, printed)");
     app.add_option("--device", device, "cpu | cuda (the CUDA engine, decode steps from CUDA graphs)");
     int tp = 1, ep = 1;
-    app.add_option("--ep", ep, "cuda: GPUs holding 1/ep of the routed experts each")->capture_default_str();
+    std::string ep_backend = "local_allreduce";
+    app.add_option("--ep", ep, "expert-parallel ranks holding 1/ep of the routed experts each: threads on the CPU, GPUs with --device cuda")
+        ->capture_default_str();
+    app.add_option("--ep-backend", ep_backend,
+                   "how tokens reach the experts of other ranks: local_allreduce | allgather_reducescatter | "
+                   "alltoall_padded | alltoall_packed")
+        ->capture_default_str();
     app.add_option("--tp", tp, "cuda: tensor-parallel attention over the --ep GPUs (1 or the --ep value)")
         ->capture_default_str();
     bool random_weights = false;
@@ -100,9 +108,13 @@ int main(int argc, char** argv) {
     MOE_CHECK(!random_weights || device == "cuda", kInvalidArgument, "--random-weights needs --device cuda");
     if (device == "cuda") {
       cuda::engine_ranks(tp, ep);
+      cuda::check_engine_ep_backend(ep_backend);
     } else {
-      MOE_CHECK(tp == 1 && ep == 1, kUnsupported,
-                "--tp {} --ep {}: the CPU server runs the model as one rank; parallel ranks need --device cuda", tp, ep);
+      MOE_CHECK(tp == 1, kUnsupported, "--tp {}: tensor-parallel attention runs on GPUs only (--device cuda)", tp);
+      dist::DistConfig dc;
+      dc.ep = ep;
+      dc.ep_backend = ep_backend;
+      dist::validate_dist_config(dc);
     }
     MOE_CHECK(port >= 0 && port <= 65535, kInvalidArgument, "--port {} is not a port number", port);
     MOE_CHECK(max_prompt_tokens >= 0, kInvalidArgument, "--max-prompt-tokens must be >= 0, got {}", max_prompt_tokens);
@@ -120,7 +132,6 @@ int main(int argc, char** argv) {
     MOE_CHECK(max_batch >= 1 && max_batch <= 1024, kInvalidArgument, "max_batch must be in [1, 1024], got {}", max_batch);
     MOE_CHECK(block_size >= 1 && block_size <= 1024, kInvalidArgument, "--block-size must be in [1, 1024], got {}",
               block_size);
-    std::unique_ptr<Model> model;
     std::unique_ptr<cuda::Engine> gpu;
     if (device == "cuda") {
       cuda::EngineOptions eo;
@@ -134,12 +145,8 @@ int main(int argc, char** argv) {
       eo.tp = tp;
       eo.ep = ep;
       gpu = cuda::Engine::load(model_dir, eo);
-    } else {
-      LoadOptions lo;
-      lo.threads = threads;
-      model = Model::load(model_dir, lo);
     }
-    const ModelConfig& mc = gpu ? gpu->config() : model->config();
+    const ModelConfig mc = load_model_config(model_dir);
 
     // A template that cannot be used leaves the server running without chat: chat requests are
     // then answered 400 with the reason.
@@ -177,7 +184,10 @@ int main(int argc, char** argv) {
       xo.max_sequences = max_batch;
       xo.max_context = cfg.max_context;
       xo.sampled_vocab = tok.vocab_size();
-      cpu_executor = std::make_unique<cpu::Executor>(*model, xo);
+      LoadOptions lo;
+      lo.threads = threads;
+      lo.ep_backend = dist::parse_ep_backend(ep_backend);
+      cpu_executor = cpu::Executor::load(model_dir, lo, ep, xo);
       executor = cpu_executor.get();
       std::fprintf(stderr, "moe-server: KV cache of %lld blocks of %lld tokens (%.2f GB)\n",
                    static_cast<long long>(kv_blocks), static_cast<long long>(block_size),

@@ -119,9 +119,10 @@ class Engine final : public runtime::Executor {
   // prefix_reuse off.
   int64_t reuse_prefix(int32_t seq, std::span<const int32_t> tokens) override;
   runtime::KvUsage kv_usage() const override;
-  // One step: the rows of one token after a cached prefix run as one batched decode (from the
-  // bucket's graph), then each other row as a prefill; each row draws with its own draw index.
-  std::vector<int32_t> run(const runtime::StepPlan& plan) override;
+  // One step: the rows of one token after a cached prefix that want no logits run as one batched
+  // decode (from the bucket's graph), then each other row as a prefill; each row draws with its
+  // own draw index.
+  runtime::StepResult run(const runtime::StepPlan& plan) override;
 
   // Runs `ids` after the sequence's cached tokens and samples its next token on the device.
   // logits (when given): f32 on the host, [ids.size(), vocab] when all_logits, else [1, vocab].

@@ -201,18 +201,6 @@ void store_from_f32(const float* src, void* dst, DType dtype, size_t count) {
   }
 }
 
-std::string exception_text(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const Error& err) {
-    return err.message();
-  } catch (const std::exception& err) {
-    return err.what();
-  } catch (...) {
-    return "unknown exception";
-  }
-}
-
 }  // namespace
 
 namespace detail {
@@ -588,40 +576,6 @@ void InProcessGroup::mark_finished(int rank) {
   MOE_CHECK(rank >= 0 && rank < size(), kInvalidArgument,
             "rank {} is outside the group of {} ranks", rank, size());
   state_->mark_finished(rank);
-}
-
-void run_ranks(int size, const std::function<void(int rank, Communicator& comm)>& fn) {
-  InProcessGroup group(size);
-  std::vector<std::unique_ptr<Communicator>> comms;
-  for (int r = 0; r < size; ++r) comms.push_back(group.communicator(r));
-
-  std::mutex error_mutex;
-  std::exception_ptr first_error;
-  auto body = [&](int r) {
-    try {
-      fn(r, *comms[r]);
-      group.mark_finished(r);
-    } catch (...) {
-      std::exception_ptr e = std::current_exception();
-      {
-        std::lock_guard<std::mutex> lock(error_mutex);
-        if (!first_error) first_error = e;
-      }
-      group.abort(fmt::format("rank {} failed: {}", r, exception_text(e)));
-    }
-  };
-
-  std::vector<std::thread> threads;
-  threads.reserve(size);
-  try {
-    for (int r = 0; r < size; ++r) threads.emplace_back(body, r);
-  } catch (...) {
-    group.abort("could not start the rank threads");
-    for (std::thread& t : threads) t.join();
-    throw;
-  }
-  for (std::thread& t : threads) t.join();
-  if (first_error) std::rethrow_exception(first_error);
 }
 
 }  // namespace moe::dist

@@ -16,8 +16,8 @@
 //     fails the same way (the group is dead);
 //   - a rank marked finished (mark_finished) while a peer waits for it in a collective makes the
 //     waiting peers fail with kInternal and aborts the group.
-// run_ranks does both: it marks a rank finished when its function returns and aborts the group
-// when one throws.
+// RankGroup (rank_group.h) does both: run_ranks marks a rank finished when its function returns,
+// and a rank that throws aborts the group.
 #pragma once
 
 #include <functional>
@@ -57,10 +57,5 @@ class InProcessGroup {
  private:
   std::shared_ptr<detail::GroupState> state_;
 };
-
-// Runs fn(rank, communicator) on `size` threads (one per rank of a fresh InProcessGroup), joins
-// them, and rethrows the first exception any rank threw (the original failure, not the aborts it
-// caused on the other ranks). size >= 1, else kInvalidArgument.
-void run_ranks(int size, const std::function<void(int rank, Communicator& comm)>& fn);
 
 }  // namespace moe::dist

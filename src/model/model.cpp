@@ -305,7 +305,9 @@ std::vector<Tensor> Model::forward_batch(const std::vector<SequenceInput>& batch
     for (const Segment& other : segments)
       MOE_CHECK(other.cache != in.cache, kInvalidArgument, "two sequences share one KV cache");
     // Blocks shared with other sequences (reused prefixes) are full and must stay as they are.
-    for (int64_t b = cache.length() / cache.block_size(); b * cache.block_size() < cache.length() + n; ++b) {
+    // (A borrowed view's owner keeps the references and checked this when it reserved the rows.)
+    for (int64_t b = cache.length() / cache.block_size();
+         !cache.is_borrowed() && b * cache.block_size() < cache.length() + n; ++b) {
       const int32_t block = cache.blocks()[static_cast<size_t>(b)];
       MOE_CHECK(cache.pool()->ref_count(block) == 1, kInvalidArgument,
                 "KV block {} is shared with another sequence and cannot be written", block);

@@ -13,6 +13,7 @@
 #include <span>
 #include <vector>
 
+#include "moe/tensor.h"
 #include "runtime/sampler.h"
 
 namespace moe::runtime {
@@ -26,6 +27,10 @@ struct ExecutorLimits {
   int64_t vocab = 0;          // ids a step accepts
 };
 
+// Which logits a row hands back besides its token: none (serving), its last position's, or one
+// row per position (scoring a text, comparing with a reference).
+enum class RowLogits : uint8_t { kNone, kLast, kAll };
+
 // One sequence's part of a step: `count` ids of StepPlan::tokens from `offset`, run at the
 // sequence's current length. With `sample`, the next token is drawn from the logits of the last
 // of them as draw number `draw` of the request (the tokens it generated before this one).
@@ -35,11 +40,18 @@ struct StepRow {
   bool sample = false;
   SamplingParams sampling;
   int64_t draw = 0;
+  RowLogits logits = RowLogits::kNone;
 };
 
 struct StepPlan {
   std::vector<int32_t> tokens;
   std::vector<StepRow> rows;  // at most one per sequence
+};
+
+// What a step gives back, row by row.
+struct StepResult {
+  std::vector<int32_t> tokens;  // the token drawn, -1 for rows without `sample`
+  std::vector<Tensor> logits;   // f32 [1, vocab] (kLast) or [count, vocab] (kAll); empty for kNone
 };
 
 // KV blocks now: the free ones include published blocks nobody holds (they are handed out again
@@ -63,11 +75,10 @@ class Executor {
   // tokens it now holds (never all of them); 0 when prefix reuse is off.
   virtual int64_t reuse_prefix(int32_t seq, std::span<const int32_t> tokens) = 0;
   virtual KvUsage kv_usage() const = 0;
-  // Runs the step and returns, for each row in order, the token drawn (-1 for rows without
-  // `sample`). Throws kInvalidArgument for a plan that does not fit (an id outside the
-  // vocabulary, a sequence not open or twice, a full context, too few free blocks) before
-  // anything runs.
-  virtual std::vector<int32_t> run(const StepPlan& plan) = 0;
+  // Runs the step and returns, for each row in order, the token drawn and the logits it asked
+  // for. Throws kInvalidArgument for a plan that does not fit (an id outside the vocabulary, a
+  // sequence not open or twice, a full context, too few free blocks) before anything runs.
+  virtual StepResult run(const StepPlan& plan) = 0;
 };
 
 // Checks the plan's shape against the limits and the executor's sequences (kInvalidArgument):

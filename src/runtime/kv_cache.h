@@ -93,6 +93,8 @@ class KvCache {
   void release();
 
   KvBlockPool* pool() const { return pool_; }
+  // Whether another owner holds this cache's block references (borrowed()).
+  bool is_borrowed() const { return borrowed_; }
   const std::vector<int32_t>& blocks() const { return blocks_; }
   int64_t block_size() const { return pool_ ? pool_->block_size() : 0; }
   int64_t k_width() const { return pool_ ? pool_->k_width() : 0; }

@@ -126,6 +126,11 @@ void OpenAiApi::completion(const http::Request& req, http::Response& res, bool c
         return;
       }
     }
+    if (!job->failure.empty()) {
+      const std::string why = job->failure;
+      lock.unlock();
+      return send_error(res, {500, why, "", ""});
+    }
     std::string text;
     int64_t tokens = 0;
     FinishReason finish = FinishReason::kStop;
@@ -148,13 +153,21 @@ void OpenAiApi::completion(const http::Request& req, http::Response& res, bool c
   for (;;) {
     std::deque<Event> events;
     bool finished;
+    std::string failure;
     {
       std::unique_lock lock(job->m);
       job->cv.wait_for(lock, kPoll, [&] { return !job->events.empty() || job->finished; });
       events.swap(job->events);
       finished = job->finished;
+      failure = job->failure;
     }
     if (!res.client_connected()) return loop_.cancel(job);
+    if (finished && !failure.empty()) {
+      // The status line has gone out: the error travels as the stream's last event.
+      res.write("data: " + error_json(ApiError{500, failure, "", ""}) + "\n\n");
+      res.end_stream();
+      return;
+    }
     for (const auto& e : events) {
       tokens += e.token >= 0;
       const bool last = e.finish != FinishReason::kNone;

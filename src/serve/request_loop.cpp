@@ -73,6 +73,7 @@ std::string RequestLoop::metrics() {
   counter("moe_requests_rejected_total", "counter", static_cast<double>(rejected_));
   counter("moe_prompt_tokens_total", "counter", static_cast<double>(prompt_tokens_));
   counter("moe_generated_tokens_total", "counter", static_cast<double>(generated_tokens_));
+  counter("moe_failed_steps_total", "counter", static_cast<double>(failed_steps_));
   counter("moe_preemptions_total", "counter", static_cast<double>(stats_.preemptions));
   counter("moe_prefix_hit_tokens_total", "counter", static_cast<double>(stats_.prefix_hit_tokens));
   counter("moe_queue_depth", "gauge", static_cast<double>(stats_.waiting));
@@ -104,9 +105,21 @@ void RequestLoop::loop() {
     try {
       events = batcher_->step();
     } catch (const std::exception& e) {
-      // A failed forward must not strand the waiting clients: end every request.
+      // A failed step must not strand the waiting clients: every request ends, and each client
+      // is told why.
       std::fprintf(stderr, "error: %s\n", e.what());
-      for (auto& [id, live] : live_) batcher_->cancel(id);
+      const std::string why = std::string("the engine failed: ") + e.what();
+      for (auto& [id, live] : live_) {
+        {
+          std::lock_guard lock(live.job->m);
+          live.job->failure = why;
+        }
+        batcher_->cancel(id);
+      }
+      {
+        std::lock_guard lock(metrics_m_);
+        ++failed_steps_;
+      }
       events = batcher_->step();
     }
     deliver(events);

@@ -30,6 +30,9 @@ struct Job {
   uint64_t id = 0;
   std::deque<Event> events;
   bool finished = false;
+  // Set when the engine failed while the request ran: it ended without its output, and the
+  // client must hear why (HTTP 500, or an error event on a stream), not see a short answer.
+  std::string failure;
 };
 
 // Latencies in seconds, as cumulative Prometheus buckets.
@@ -76,7 +79,7 @@ class RequestLoop {
   std::vector<std::shared_ptr<Job>> cancels_;
   bool stopping_ = false;
   std::mutex metrics_m_;
-  int64_t requests_ = 0, rejected_ = 0, prompt_tokens_ = 0, generated_tokens_ = 0;
+  int64_t requests_ = 0, rejected_ = 0, prompt_tokens_ = 0, generated_tokens_ = 0, failed_steps_ = 0;
   SchedulerStats stats_;
   LatencyHistogram ttft_, itl_;
   std::thread thread_;  // last: starts once everything above exists

@@ -178,7 +178,7 @@ std::vector<Event> Scheduler::step() {
   }
   std::vector<int32_t> next;
   try {
-    next = executor_.run(step);
+    next = executor_.run(step).tokens;
   } catch (...) {
     for (Request* r : planned_) r->planned = 0;
     planned_.clear();

@@ -41,7 +41,9 @@ bad_flags() {
 }
 bad_flags "--device tpu" 'valid devices are cpu and cuda' -m "$model" --device tpu
 bad_flags "--random-weights on the CPU" 'needs --device cuda' -m "$model" --random-weights
-bad_flags "--ep on the CPU" 'parallel ranks need --device cuda' -m "$model" --ep 2
+bad_flags "--ep-backend p2p on the CPU" 'p2p' -m "$model" --ep 2 --ep-backend p2p
+bad_flags "--ep-backend unknown" 'valid' -m "$model" --ep 2 --ep-backend nope
+bad_flags "--ep beyond the experts" 'expert' -m "$model" --ep 4096
 bad_flags "--tp without --ep" 'runs over the expert-parallel GPUs' -m "$model" --device cuda --tp 2
 if ! nvidia-smi -L >/dev/null 2>&1; then  # without a GPU (or CUDA build) --device cuda says why
   bad_flags "--device cuda without a GPU" 'CUDA' -m "$model" --device cuda
@@ -179,6 +181,28 @@ else
   [ "$rc" = 0 ] && ok "SIGTERM: clean exit" || fail "SIGTERM: exit status $rc"
 fi
 wait "$curl_pid" 2>/dev/null
+
+# Two expert-parallel ranks on the CPU serve the greedy text of one.
+for backend in local_allreduce alltoall_packed; do
+  "$server" -m "$model" --port 0 -t 2 --ep 2 --ep-backend "$backend" 2>"$work/log_ep" &
+  pid=$!
+  url=""
+  for _ in $(seq 1 300); do
+    url=$(grep -oE 'http://127\.0\.0\.1:[0-9]+' "$work/log_ep" | head -n 1)
+    [ -n "$url" ] && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  if [ -n "$url" ] && [ "$(request POST /v1/completions '{"prompt": "Hello there", "max_tokens": 8, "temperature": 0}')" = 200 ] &&
+      grep -qF "$(node -e 'process.stdout.write(JSON.stringify(require("fs").readFileSync(process.argv[1], "utf8")))' "$work/text0")" "$work/body"; then
+    ok "--ep 2 --ep-backend $backend on the CPU gives the one-rank text"
+  else
+    fail "--ep 2 --ep-backend $backend: $(cat "$work/body" 2>/dev/null) $(tail -n 3 "$work/log_ep")"
+  fi
+  kill -TERM "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+  pid=""
+done
 
 echo "$failures failure(s)"
 [ "$failures" -eq 0 ]

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "backend/nccl_communicator.h"
-#include "dist/inprocess_communicator.h"
+#include "dist/rank_group.h"
 #include "gpu_test_util.h"
 #include "moe/errors.h"
 #include "moe/tensor.h"

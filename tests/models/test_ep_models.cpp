@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "dist/inprocess_communicator.h"
+#include "dist/rank_group.h"
 #include "model/model.h"
 #include "../unit/test_util.h"
 

@@ -11,7 +11,7 @@
 
 #include "dist/communicator.h"
 #include "dist/dist_config.h"
-#include "dist/inprocess_communicator.h"
+#include "dist/rank_group.h"
 #include "moe/errors.h"
 #include "moe/tensor.h"
 

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <random>
 
-#include "dist/inprocess_communicator.h"
+#include "dist/rank_group.h"
 #include "moe/ep/ep_backend.h"
 #include "moe/experts.h"
 #include "moe/plan.h"

@@ -3,6 +3,8 @@
 // the bundled tiny model and the CPU scheduler.
 #include <gtest/gtest.h>
 
+#include <atomic>
+
 #include <memory>
 #include <string>
 
@@ -311,6 +313,66 @@ TEST(OpenAiApi, ClientThatLeavesCancelsItsRequest) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   EXPECT_NE(s.loop.metrics().find("moe_kv_blocks_in_use 0\n"), std::string::npos);
+}
+
+// The real scheduler, except that the next `failures` steps throw, as a device error would.
+struct FailingBatcher : Batcher {
+  explicit FailingBatcher(std::unique_ptr<Batcher> inner) : inner(std::move(inner)) {}
+  uint64_t submit(std::vector<int32_t> prompt, const RequestOptions& o) override {
+    return inner->submit(std::move(prompt), o);
+  }
+  bool cancel(uint64_t id) override { return inner->cancel(id); }
+  std::vector<Event> step() override {
+    if (failures.load() > 0) {
+      --failures;
+      MOE_THROW(kInternal, "device lost");
+    }
+    return inner->step();
+  }
+  bool busy() const override { return inner->busy(); }
+  SchedulerStats stats() const override { return inner->stats(); }
+  std::unique_ptr<Batcher> inner;
+  std::atomic<int> failures{0};
+};
+
+// A step that throws ends the requests it ran with the reason, as an HTTP 500 or as the last event
+// of a stream (never as a short answer that looks complete), and the server goes on serving.
+TEST(OpenAiApi, AFailedStepAnswersEveryRequestWithTheReason) {
+  Api api;
+  std::unique_ptr<Model> model = Model::load(model_dir());
+  cpu::Executor executor{*model, cpu::ExecutorOptions{.sampled_vocab = api.tok.vocab_size()}};
+  auto failing = std::make_unique<FailingBatcher>(std::make_unique<Scheduler>(executor, SchedulerConfig{}, &api.tok));
+  FailingBatcher* fail = failing.get();
+  RequestLoop loop{std::move(failing)};
+  OpenAiApi routes{api.preparer, loop};
+  auto call = [&](const std::string& body) {
+    http::Request req;
+    req.method = "POST";
+    req.path = req.target = "/v1/completions";
+    req.body = body;
+    Recorded res;
+    routes.handle(req, res);
+    return res;
+  };
+  fail->failures = 1;
+  Recorded whole = call(R"({"prompt": "Hello", "max_tokens": 5, "temperature": 0})");
+  EXPECT_EQ(whole.status, 500) << whole.body;
+  const json e = json::parse(whole.body);
+  EXPECT_EQ(e["error"]["type"], "server_error");
+  EXPECT_NE(e["error"]["message"].get<std::string>().find("the engine failed: device lost"), std::string::npos)
+      << whole.body;
+
+  fail->failures = 1;
+  Recorded stream = call(R"({"prompt": "Hello", "max_tokens": 5, "temperature": 0, "stream": true})");
+  EXPECT_TRUE(stream.streamed);
+  EXPECT_TRUE(stream.ended);
+  EXPECT_NE(stream.body.find(R"("type":"server_error")"), std::string::npos) << stream.body;
+  EXPECT_EQ(stream.body.find("[DONE]"), std::string::npos) << stream.body;
+
+  Recorded after = call(R"({"prompt": "Hello", "max_tokens": 5, "temperature": 0})");
+  ASSERT_EQ(after.status, 200) << after.body;
+  EXPECT_EQ(json::parse(after.body)["usage"]["completion_tokens"], 5);
+  EXPECT_NE(loop.metrics().find("moe_failed_steps_total 2"), std::string::npos) << loop.metrics();
 }
 
 }  // namespace

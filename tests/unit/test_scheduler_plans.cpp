@@ -53,7 +53,7 @@ class FakeExecutor final : public runtime::Executor {
   runtime::KvUsage kv_usage() const override {
     return {blocks_.num_blocks(), blocks_.free_blocks(), blocks_.cached_blocks()};
   }
-  std::vector<int32_t> run(const runtime::StepPlan& plan) override {
+  runtime::StepResult run(const runtime::StepPlan& plan) override {
     runtime::check_plan(plan, *this);
     if (fail_next) {
       fail_next = false;
@@ -74,7 +74,7 @@ class FakeExecutor final : public runtime::Executor {
     }
     rec.plan = plan;
     plans.push_back(std::move(rec));
-    return out;
+    return {out, std::vector<Tensor>(plan.rows.size())};
   }
 
   struct Recorded {
@@ -138,7 +138,9 @@ TEST(SchedulerPlans, BudgetAndSequenceLimitHoldAndDecodesComeFirst) {
     bool prompt_seen = false;
     for (size_t i = 0; i < rec.plan.rows.size(); ++i) {
       const bool decode = rec.decode[i];
-      if (decode) EXPECT_EQ(rec.plan.rows[i].count, 1);
+      if (decode) {
+        EXPECT_EQ(rec.plan.rows[i].count, 1);
+      }
       EXPECT_FALSE(decode && prompt_seen) << "a decode row after a prompt chunk";
       prompt_seen = prompt_seen || !decode;
     }

@@ -930,21 +930,25 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
   return out;
 }
 
-std::vector<int32_t> Engine::run(const runtime::StepPlan& plan) {
+runtime::StepResult Engine::run(const runtime::StepPlan& plan) {
   State& s = *s_;
   runtime::check_plan(plan, *this);
   int64_t need = 0;
   for (const runtime::StepRow& r : plan.rows) need += s.table->blocks_needed(r.seq, r.count);
   MOE_CHECK(need <= s.free_blocks(), kInvalidArgument, "KV cache full: {} more blocks needed, {} free", need,
             s.free_blocks());
-  std::vector<int32_t> next(plan.rows.size(), -1);
+  runtime::StepResult out;
+  out.tokens.assign(plan.rows.size(), -1);
+  out.logits.resize(plan.rows.size());
+  std::vector<bool> decoded(plan.rows.size(), false);
   std::vector<size_t> decode_rows;
   std::vector<int32_t> seqs, tokens;
   std::vector<SamplingParams> params;
   std::vector<int64_t> draws;
   for (size_t i = 0; i < plan.rows.size(); ++i) {
     const runtime::StepRow& r = plan.rows[i];
-    if (r.count != 1 || s.table->at(r.seq).length == 0) continue;
+    if (r.count != 1 || r.logits != runtime::RowLogits::kNone || s.table->at(r.seq).length == 0) continue;
+    decoded[i] = true;
     decode_rows.push_back(i);
     seqs.push_back(r.seq);
     tokens.push_back(plan.tokens[static_cast<size_t>(r.offset)]);
@@ -953,21 +957,20 @@ std::vector<int32_t> Engine::run(const runtime::StepPlan& plan) {
   }
   if (!decode_rows.empty()) {
     const std::vector<int32_t> drawn = run_decode(s, *this, seqs, tokens, params, draws, nullptr);
-    for (size_t j = 0; j < decode_rows.size(); ++j) next[decode_rows[j]] = drawn[j];
+    for (size_t j = 0; j < decode_rows.size(); ++j) out.tokens[decode_rows[j]] = drawn[j];
   }
-  for (size_t i = 0, j = 0; i < plan.rows.size(); ++i) {
-    if (j < decode_rows.size() && decode_rows[j] == i) {
-      ++j;
-      continue;
-    }
+  for (size_t i = 0; i < plan.rows.size(); ++i) {
+    if (decoded[i]) continue;
     const runtime::StepRow& r = plan.rows[i];
-    next[i] = run_prefill(s, r.seq, std::span<const int32_t>(plan.tokens).subspan(static_cast<size_t>(r.offset),
-                                                                                 static_cast<size_t>(r.count)),
-                          r.sampling, r.draw, nullptr, false, nullptr);
+    Tensor* logits = r.logits != runtime::RowLogits::kNone ? &out.logits[i] : nullptr;
+    out.tokens[i] = run_prefill(
+        s, r.seq,
+        std::span<const int32_t>(plan.tokens).subspan(static_cast<size_t>(r.offset), static_cast<size_t>(r.count)),
+        r.sampling, r.draw, logits, r.logits == runtime::RowLogits::kAll, nullptr);
   }
   for (size_t i = 0; i < plan.rows.size(); ++i)
-    if (!plan.rows[i].sample) next[i] = -1;
-  return next;
+    if (!plan.rows[i].sample) out.tokens[i] = -1;
+  return out;
 }
 
 std::vector<int32_t> Engine::last_routing() const {

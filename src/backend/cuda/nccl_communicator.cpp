@@ -1,5 +1,6 @@
 #include "backend/nccl_communicator.h"
 
+
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <nccl.h>
@@ -13,6 +14,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/rank_sum_launch.h"
+#include "core/rank_threads.h"
 #include "moe/errors.h"
 
 namespace moe::cuda {
@@ -418,20 +420,24 @@ void run_gpu_ranks(const std::vector<int>& devices,
   NcclGroup group(devices, timeout_s);
   std::vector<std::unique_ptr<dist::Communicator>> comms;
   for (int r = 0; r < group.size(); ++r) comms.push_back(group.communicator(r));
+  // The first failure in time is the cause; later ones are peers timing out on it.
   std::mutex error_mutex;
   std::exception_ptr first_error;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < group.size(); ++r)
-    threads.emplace_back([&, r] {
+  RankThreads threads(group.size());
+  try {
+    threads.run([&](int r) {
       try {
         fn(r, *comms[static_cast<size_t>(r)]);
       } catch (...) {
         std::lock_guard<std::mutex> lock(error_mutex);
         if (!first_error) first_error = std::current_exception();
+        throw;
       }
     });
-  for (std::thread& t : threads) t.join();
-  if (first_error) std::rethrow_exception(first_error);
+  } catch (...) {
+    if (first_error) std::rethrow_exception(first_error);
+    throw;
+  }
 }
 
 }  // namespace moe::cuda
