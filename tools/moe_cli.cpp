@@ -48,6 +48,7 @@ struct Common {
       MOE_CHECK(tp == 1, kUnsupported, "--tp {}: tensor-parallel attention runs on GPUs only (--device cuda)", tp);
       return false;
     }
+    dist::parse_ep_backend(ep_backend);  // an unknown name: the valid ones listed
     cuda::check_engine_ep_backend(ep_backend);
     MOE_CHECK(!expert_stats, kUnsupported, "--expert-stats is CPU-only so far");
     return true;

@@ -108,6 +108,7 @@ int main(int argc, char** argv) {
     MOE_CHECK(!random_weights || device == "cuda", kInvalidArgument, "--random-weights needs --device cuda");
     if (device == "cuda") {
       cuda::engine_ranks(tp, ep);
+      dist::parse_ep_backend(ep_backend);  // an unknown name: the valid ones listed
       cuda::check_engine_ep_backend(ep_backend);
     } else {
       MOE_CHECK(tp == 1, kUnsupported, "--tp {}: tensor-parallel attention runs on GPUs only (--device cuda)", tp);

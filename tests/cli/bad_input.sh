@@ -81,6 +81,7 @@ expect bad_device "--device tpu: expected cpu or cuda" -- "$cli" logits -m "$fix
 expect tp_on_cpu "--tp 2: tensor-parallel attention runs on GPUs only" -- "$cli" logits -m "$fixture" --ids 1 --tp 2
 expect cuda_tp_without_ep "runs over the expert-parallel GPUs|no CUDA backend" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --tp 2
 expect cuda_ep_backend "--ep-backend alltoall_packed is for the CPU engine" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2 --ep-backend alltoall_packed
+expect cuda_unknown_ep_backend "valid names: local_allreduce" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2 --ep-backend fastest
 if ! nvidia-smi -L >/dev/null 2>&1; then
   expect cuda_ep_needs_gpus "needs 2 GPUs from device 0; this machine has 0|no CUDA backend" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2
 fi

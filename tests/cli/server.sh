@@ -43,6 +43,7 @@ bad_flags "--device tpu" 'valid devices are cpu and cuda' -m "$model" --device t
 bad_flags "--random-weights on the CPU" 'needs --device cuda' -m "$model" --random-weights
 bad_flags "--ep-backend p2p on the CPU" 'p2p' -m "$model" --ep 2 --ep-backend p2p
 bad_flags "--ep-backend unknown" 'valid' -m "$model" --ep 2 --ep-backend nope
+bad_flags "--ep-backend unknown with cuda" 'valid names' -m "$model" --device cuda --ep 2 --ep-backend nope
 bad_flags "--ep beyond the experts" 'expert' -m "$model" --ep 4096
 bad_flags "--tp without --ep" 'runs over the expert-parallel GPUs' -m "$model" --device cuda --tp 2
 if ! nvidia-smi -L >/dev/null 2>&1; then  # without a GPU (or CUDA build) --device cuda says why
