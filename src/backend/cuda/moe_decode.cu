@@ -3,8 +3,8 @@
 // weight row is read once, with 16-byte streaming loads, and applied to all of that expert's
 // tokens.
 //
-// Two forms, switched at heuristics::kGemvDirectMaxSlots routed slots (lab/cuda/NOTES.md, "GEMV
-// v4"):
+// Two forms, switched at heuristics::kGemvDirectMaxSlots routed slots
+// (docs/perf/decode-direct-gemv.md):
 //  - direct (decode, M of 1 to 3): no plan kernel; the warps read the ids themselves (one slot
 //    per lane). Persistent grids (a warp loops over weight rows: no block churn, no tail of short
 //    blocks) chained by programmatic dependent launch, so each grid is resident before its
@@ -15,7 +15,7 @@
 //  - grouped (v2, up to the switch to the GEMM path): the plan, then one short block per touched
 //    expert and 4 rows; act by position in the plan's order, partial sums by slot. Chained by
 //    programmatic dependent launch too, every read after the wait (reading the plan before it,
-//    through L2, cost more than the launch gap it hid: lab/cuda/NOTES.md).
+//    through L2, cost more than the launch gap it hid: docs/perf/strong-loads.md).
 // Nothing allocated, the counts only on the device, every output summed in a fixed order.
 // Only CUDA headers here: the host side (checks, errors, uploads) is in cuda_moe.cpp.
 #include <cuda_bf16.h>
@@ -563,10 +563,10 @@ void launch_grouped_down(dim3 grid, cudaStream_t stream, const __nv_bfloat16* ac
                    b.num_active, weights, b.hidden, b.inter, static_cast<float*>(b.part));
 }
 
-// Past kGemvDirectMaxSlots: the plan, then one short block per (touched expert, 4 rows), from
-// lab/cuda/moe_decode_v2. The persistent kernels above, fed by the plan instead of the ids, ran
-// 5-15% slower here (each item's expert, offsets and slot list cost dependent L2 round trips
-// before its weight loads could issue; lab/cuda/NOTES.md).
+// Past kGemvDirectMaxSlots: the plan, then one short block per (touched expert, 4 rows), the v2
+// of docs/perf/decode-expert-gemv.md. The persistent kernels above, fed by the plan instead of the
+// ids, ran 5-15% slower here (each item's expert, offsets and slot list cost dependent L2 round
+// trips before its weight loads could issue; docs/perf/decode-direct-gemv.md).
 cudaError_t launch_grouped(const ExpertBuffers& b, const void* x, const float* weights, int tokens,
                            cudaStream_t stream) {
   const int slots = tokens * b.top_k;
