@@ -65,25 +65,10 @@ struct Layer {
   DeviceBuffer<uint16_t> gate_up, down;
 };
 
-// Weights: uniform, bf16-exact, from a 64-bit xorshift (a normal draw per element takes ~15 s
-// for the 600M weights of a qwen3 layer; this takes about one).
-void fill_uniform_bf16(Tensor& t, uint64_t seed, float scale) {
-  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
-  float* p = t.data<float>();
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-    const float u = static_cast<float>(s >> 40) * (1.0f / 16777216.0f);  // [0, 1)
-    p[i] = bf16_to_f32(f32_to_bf16((2.0f * u - 1.0f) * scale));
-  }
-}
-
+// Weights: uniform, bf16-exact (fill_uniform_bf16: a normal draw per element takes ~15 s for the
+// 600M weights of a qwen3 layer; this takes about one).
 ExpertWeights make_weights(int64_t experts, int64_t hidden, int64_t inter, std::mt19937& rng) {
-  ExpertWeights w;
-  w.num_local = experts;
-  w.hidden = hidden;
-  w.inter = inter;
-  w.gate_up = Tensor::zeros({experts, 2 * inter, hidden});
-  w.down = Tensor::zeros({experts, hidden, inter});
+  ExpertWeights w = zero_experts(experts, hidden, inter);
   fill_uniform_bf16(w.gate_up, rng(), 0.08f);
   fill_uniform_bf16(w.down, rng(), 0.08f);
   return w;
