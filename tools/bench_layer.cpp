@@ -30,29 +30,15 @@ struct Shape {
 };
 
 Shape find_shape(const std::string& name) {
-  auto softmax = [](int64_t e, int64_t k, bool renorm) {
-    RouterConfig r;
-    r.num_experts = e;
-    r.top_k = k;
-    r.renormalize = renorm;
-    return r;
-  };
-  RouterConfig v3;
-  v3.num_experts = 256;
-  v3.top_k = 8;
-  v3.scoring = RouterScoring::kSigmoid;
-  v3.groups = GroupRanking::kTop2Sum;
-  v3.n_group = 8;
-  v3.topk_group = 4;
-  v3.correction_bias = true;
-  v3.renormalize = true;
-  v3.scaling = 2.5f;
+  const RouterConfig v3{.num_experts = 256, .top_k = 8, .scoring = RouterScoring::kSigmoid,
+                        .groups = GroupRanking::kTop2Sum, .n_group = 8, .topk_group = 4,
+                        .correction_bias = true, .renormalize = true, .scaling = 2.5f};
   const Shape shapes[] = {
-      {"seed", 8, 512, 1024, 2, 64, softmax(8, 2, true)},
-      {"qwen3-30b-a3b", 128, 2048, 768, 8, 64, softmax(128, 8, true)},
-      {"deepseek-v2-lite", 64, 2048, 1408, 6, 64, softmax(64, 6, false)},
+      {"seed", 8, 512, 1024, 2, 64, softmax_router(8, 2, true)},
+      {"qwen3-30b-a3b", 128, 2048, 768, 8, 64, softmax_router(128, 8, true)},
+      {"deepseek-v2-lite", 64, 2048, 1408, 6, 64, softmax_router(64, 6, false)},
       {"deepseek-v3", 256, 7168, 2048, 8, 64, v3},
-      {"mixtral-8x7b", 8, 4096, 14336, 2, 64, softmax(8, 2, true)},
+      {"mixtral-8x7b", 8, 4096, 14336, 2, 64, softmax_router(8, 2, true)},
   };
   std::string known;
   for (const auto& s : shapes) {

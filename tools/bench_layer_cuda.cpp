@@ -79,21 +79,11 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
 
   std::mt19937 rng(11);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  ExpertWeights w;
-  w.num_local = experts;
-  w.hidden = hidden;
-  w.inter = inter;
-  w.gate_up = Tensor::zeros({experts, 2 * inter, hidden});
-  w.down = Tensor::zeros({experts, hidden, inter});
-  // Uniform weights with the std of N(0, 0.02), from a xorshift: a normal draw per element takes
-  // tens of seconds for a qwen3 layer's 600M weights.
-  uint64_t state = 0x9E3779B97F4A7C15ull;
-  for (Tensor* t : {&w.gate_up, &w.down})
-    for (int64_t i = 0; i < t->numel(); ++i) {
-      state ^= state << 13, state ^= state >> 7, state ^= state << 17;
-      const float u = static_cast<float>(state >> 40) * (1.0f / 16777216.0f);
-      t->data<float>()[i] = bf16_to_f32(f32_to_bf16((2.0f * u - 1.0f) * 0.0346f));
-    }
+  // Uniform weights with the std of N(0, 0.02): a normal draw per element takes tens of seconds
+  // for a qwen3 layer's 600M weights.
+  ExpertWeights w = zero_experts(experts, hidden, inter);
+  fill_uniform_bf16(w.gate_up, 1, 0.0346f);
+  fill_uniform_bf16(w.down, 2, 0.0346f);
 
   std::vector<int64_t> sweep = a.tokens > 0 ? std::vector<int64_t>{a.tokens}
                                             : std::vector<int64_t>{1, 8, 32, 128, 512, 2048, 8192};
@@ -152,18 +142,14 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
     std::vector<int64_t> rows;
     for (int64_t t = 0; t < m; t += stride) rows.push_back(t);
     const int64_t n = static_cast<int64_t>(rows.size());
-    Tensor xs = Tensor::zeros({n, hidden}), ref = Tensor::zeros({n, hidden});
-    std::vector<int32_t> sids;
-    std::vector<float> sw;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = rows[static_cast<size_t>(i)];
-      for (int64_t h = 0; h < hidden; ++h) xs.data<float>()[i * hidden + h] = bf16_to_f32(xb[static_cast<size_t>(t * hidden + h)]);
-      sids.insert(sids.end(), ids.begin() + t * top_k, ids.begin() + (t + 1) * top_k);
-      sw.insert(sw.end(), weights.begin() + t * top_k, weights.begin() + (t + 1) * top_k);
-    }
+    const TokenSample sample = sample_tokens(rows, hidden, top_k, ids, weights, [&](int64_t t, float* row) {
+      for (int64_t h = 0; h < hidden; ++h) row[h] = bf16_to_f32(xb[static_cast<size_t>(t * hidden + h)]);
+    });
+    Tensor ref = Tensor::zeros({n, hidden});
     ExpertPlan plan;
     ws.reset();
-    run_experts(ExecMode::kGrouped, pool, ws, w, all, xs, sids.data(), sw.data(), top_k, ref, plan);
+    run_experts(ExecMode::kGrouped, pool, ws, w, all, sample.x, sample.ids.data(), sample.weights.data(), top_k, ref,
+                plan);
 
     std::vector<int64_t> load(static_cast<size_t>(experts));
     for (int32_t id : ids) ++load[static_cast<size_t>(id)];

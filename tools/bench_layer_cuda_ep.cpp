@@ -122,17 +122,9 @@ ModeResult run_mode(const Layer& L, const Mode& m, int ep, int64_t tokens,
     owned = {d_gu, d_dn, d_x, d_rw, d_logits, d_ids, d_w, d_out};
     {
       cuda::Blas blas;
-      cuda::EpLayerConfig c;
-      c.backend = m.backend;
-      c.rank = r;
-      c.ranks = ranks;
-      c.device = r;
-      c.experts = L.experts;
-      c.hidden = L.hidden;
-      c.inter = L.inter;
-      c.top_k = L.top_k;
-      c.max_tokens = tokens;
-      c.exchange_only = m.exchange_only;
+      const cuda::EpLayerConfig c{.backend = m.backend, .rank = r, .ranks = ranks, .device = r,
+                                  .experts = L.experts, .hidden = L.hidden, .inter = L.inter, .top_k = L.top_k,
+                                  .max_tokens = tokens, .exchange_only = m.exchange_only};
       cuda::EpExperts layer(c, d_gu, d_dn, comm, exchange.get());
       const cuda::kernels::RouterParams rp = cuda::kernels::router_params(L.router, nullptr);
       // Small routers in one kernel (route_hidden), others as a cuBLASLt projection and route().

@@ -1,5 +1,6 @@
 #include "moe/tensor.h"
 
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -39,15 +40,11 @@ std::string Device::str() const {
 }
 
 float bf16_to_f32(uint16_t bits) {
-  uint32_t word = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &word, 4);
-  return out;
+  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
 }
 
 uint16_t f32_to_bf16(float value) {
-  uint32_t word;
-  std::memcpy(&word, &value, 4);
+  uint32_t word = std::bit_cast<uint32_t>(value);
   if ((word & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((word >> 16) | 0x40);  // NaN
   word += 0x7fffu + ((word >> 16) & 1u);  // round to nearest even
   return static_cast<uint16_t>(word >> 16);
@@ -74,21 +71,17 @@ float f16_to_f32(uint16_t bits) {
   } else {
     word = sign | (exp + 127 - 15) << 23 | mant << 13;
   }
-  float out;
-  std::memcpy(&out, &word, 4);
-  return out;
+  return std::bit_cast<float>(word);
 }
 
 uint16_t f32_to_f16(float value) {
-  uint32_t word;
-  std::memcpy(&word, &value, 4);
+  const uint32_t word = std::bit_cast<uint32_t>(value);
   uint32_t sign = (word >> 16) & 0x8000u;
   uint32_t abs = word & 0x7fffffffu;
   if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
   if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
   if (abs < 0x38800000u) {  // f16 subnormal or zero: count units of 2^-24, ties to even
-    float magnitude;
-    std::memcpy(&magnitude, &abs, 4);
+    const float magnitude = std::bit_cast<float>(abs);
     return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(magnitude * 16777216.0f)));
   }
   uint32_t rounded = abs + 0xfffu + ((abs >> 13) & 1u);

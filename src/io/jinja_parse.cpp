@@ -419,26 +419,19 @@ class ExprParser {
     }
     return e;
   }
-  ExprP or_expr() {
-    ExprP e = and_expr();
-    while (skip_name("or")) {
-      auto o = make(Expr::K::kOr);
+  // operand (`name` operand)*, grouped to the left: "a or b or c" is (a or b) or c.
+  ExprP left_assoc(const char* name, Expr::K kind, ExprP (ExprParser::*operand)()) {
+    ExprP e = (this->*operand)();
+    while (skip_name(name)) {
+      auto o = make(kind);
       o->a = std::move(e);
-      o->b = and_expr();
+      o->b = (this->*operand)();
       e = seal(std::move(o));
     }
     return e;
   }
-  ExprP and_expr() {
-    ExprP e = not_expr();
-    while (skip_name("and")) {
-      auto o = make(Expr::K::kAnd);
-      o->a = std::move(e);
-      o->b = not_expr();
-      e = seal(std::move(o));
-    }
-    return e;
-  }
+  ExprP or_expr() { return left_assoc("or", Expr::K::kOr, &ExprParser::and_expr); }
+  ExprP and_expr() { return left_assoc("and", Expr::K::kAnd, &ExprParser::not_expr); }
   ExprP not_expr() {
     if (skip_name("not")) {
       Deeper deeper(*this);

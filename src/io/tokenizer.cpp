@@ -129,13 +129,7 @@ class TokenizerSax : public nlohmann::json_sax<json> {
     return true;
   }
   bool start_object(std::size_t) override {
-    if (mode() != Mode::kDom) return fail("merges must be strings or pairs of strings");
-    if (at_model_member("vocab")) {
-      have_vocab = true;
-      stack_.push_back({nullptr, Mode::kVocab, key_});
-      return true;
-    }
-    return open(json::object());
+    return open_container("vocab", Mode::kVocab, have_vocab, json::object());
   }
   bool end_object() override {
     stack_.pop_back();
@@ -148,13 +142,7 @@ class TokenizerSax : public nlohmann::json_sax<json> {
       stack_.push_back({nullptr, Mode::kMergePair, {}});
       return true;
     }
-    if (mode() != Mode::kDom) return fail("merges must be strings or pairs of strings");
-    if (at_model_member("merges")) {
-      have_merges = true;
-      stack_.push_back({nullptr, Mode::kMerges, key_});
-      return true;
-    }
-    return open(json::array());
+    return open_container("merges", Mode::kMerges, have_merges, json::array());
   }
   bool end_array() override {
     if (mode() == Mode::kMergePair) {
@@ -239,6 +227,17 @@ class TokenizerSax : public nlohmann::json_sax<json> {
     json* node = place(std::move(container));
     stack_.push_back({node, Mode::kDom, std::move(key)});
     return true;
+  }
+  // An object or array opening where the DOM is being built: model.vocab and model.merges are
+  // streamed in `streamed` mode (and `seen` set), anything else becomes `container` in the DOM.
+  bool open_container(const char* member, Mode streamed, bool& seen, json&& container) {
+    if (mode() != Mode::kDom) return fail("merges must be strings or pairs of strings");
+    if (at_model_member(member)) {
+      seen = true;
+      stack_.push_back({nullptr, streamed, key_});
+      return true;
+    }
+    return open(std::move(container));
   }
 
   tok::StringMap& vocab_;

@@ -136,36 +136,51 @@ const NfcTables& nfc_tables() {
   return tables;
 }
 
+// A lead byte's sequence length and the range its second byte must fall in: narrower than
+// 0x80-0xBF after E0, ED, F0 and F4, which rules out overlong forms, surrogates and code points
+// past U+10FFFF. len 0: the byte starts no multi-byte sequence.
+struct Utf8Lead {
+  size_t len = 0;
+  unsigned char lo = 0x80, hi = 0xBF;
+};
+
+Utf8Lead utf8_lead(unsigned char b0) {
+  Utf8Lead lead;
+  if (b0 >= 0xC2 && b0 <= 0xDF) {
+    lead.len = 2;
+  } else if (b0 >= 0xE0 && b0 <= 0xEF) {
+    lead.len = 3;
+    if (b0 == 0xE0) lead.lo = 0xA0;
+    if (b0 == 0xED) lead.hi = 0x9F;
+  } else if (b0 >= 0xF0 && b0 <= 0xF4) {
+    lead.len = 4;
+    if (b0 == 0xF0) lead.lo = 0x90;
+    if (b0 == 0xF4) lead.hi = 0x8F;
+  }
+  return lead;
+}
+
+// How many bytes from s[i], the lead byte included, follow `lead`'s rules: up to lead.len, less
+// where a byte is out of range or s ends first.
+size_t utf8_lead_prefix(std::string_view s, size_t i, const Utf8Lead& lead) {
+  size_t k = 1;
+  for (; k < lead.len && i + k < s.size(); ++k) {
+    const auto b = static_cast<unsigned char>(s[i + k]);
+    const unsigned char l = k == 1 ? lead.lo : 0x80, h = k == 1 ? lead.hi : 0xBF;
+    if (b < l || b > h) break;
+  }
+  return k;
+}
+
 }  // namespace
 
 size_t utf8_valid_len(std::string_view s, size_t i) {
-  const size_t n = s.size();
-  if (i >= n) return 0;
+  if (i >= s.size()) return 0;
   const auto b0 = static_cast<unsigned char>(s[i]);
   if (b0 < 0x80) return 1;
-  size_t len;
-  unsigned char lo = 0x80, hi = 0xBF;  // allowed range of the second byte
-  if (b0 >= 0xC2 && b0 <= 0xDF) {
-    len = 2;
-  } else if (b0 >= 0xE0 && b0 <= 0xEF) {
-    len = 3;
-    if (b0 == 0xE0) lo = 0xA0;
-    if (b0 == 0xED) hi = 0x9F;
-  } else if (b0 >= 0xF0 && b0 <= 0xF4) {
-    len = 4;
-    if (b0 == 0xF0) lo = 0x90;
-    if (b0 == 0xF4) hi = 0x8F;
-  } else {
-    return 0;
-  }
-  if (i + len > n) return 0;
-  const auto b1 = static_cast<unsigned char>(s[i + 1]);
-  if (b1 < lo || b1 > hi) return 0;
-  for (size_t k = 2; k < len; ++k) {
-    const auto b = static_cast<unsigned char>(s[i + k]);
-    if (b < 0x80 || b > 0xBF) return 0;
-  }
-  return len;
+  const Utf8Lead lead = utf8_lead(b0);
+  if (lead.len == 0) return 0;
+  return utf8_lead_prefix(s, i, lead) == lead.len ? lead.len : 0;
 }
 
 char32_t utf8_decode(std::string_view s, size_t i, size_t n) {
@@ -208,29 +223,8 @@ namespace {
 // Length of the longest prefix of s[i..] that could begin a valid sequence (1 for a byte that
 // cannot start or continue anything). Used for the "maximal subpart" replacement rule.
 size_t utf8_maximal_subpart(std::string_view s, size_t i) {
-  const auto b0 = static_cast<unsigned char>(s[i]);
-  size_t len;
-  unsigned char lo = 0x80, hi = 0xBF;
-  if (b0 >= 0xC2 && b0 <= 0xDF) {
-    len = 2;
-  } else if (b0 >= 0xE0 && b0 <= 0xEF) {
-    len = 3;
-    if (b0 == 0xE0) lo = 0xA0;
-    if (b0 == 0xED) hi = 0x9F;
-  } else if (b0 >= 0xF0 && b0 <= 0xF4) {
-    len = 4;
-    if (b0 == 0xF0) lo = 0x90;
-    if (b0 == 0xF4) hi = 0x8F;
-  } else {
-    return 1;
-  }
-  size_t k = 1;
-  for (; k < len && i + k < s.size(); ++k) {
-    const auto b = static_cast<unsigned char>(s[i + k]);
-    const unsigned char l = k == 1 ? lo : 0x80, h = k == 1 ? hi : 0xBF;
-    if (b < l || b > h) break;
-  }
-  return k;
+  const Utf8Lead lead = utf8_lead(static_cast<unsigned char>(s[i]));
+  return lead.len == 0 ? 1 : utf8_lead_prefix(s, i, lead);
 }
 
 }  // namespace

@@ -28,15 +28,6 @@ std::string supported_architectures() {
   return s;
 }
 
-RouterConfig softmax_router(int64_t experts, int64_t top_k, bool renormalize) {
-  RouterConfig r;
-  r.num_experts = experts;
-  r.top_k = top_k;
-  r.scoring = RouterScoring::kSoftmax;
-  r.renormalize = renormalize;
-  return r;
-}
-
 void parse_qwen_style_moe(const HfConfig& cfg, ModelConfig& mc, bool expert_size_is_intermediate) {
   mc.moe.num_experts = cfg.get<int64_t>({"num_experts", "num_local_experts", "n_routed_experts"});
   mc.moe.top_k = cfg.get<int64_t>({"num_experts_per_tok", "moe_top_k"});

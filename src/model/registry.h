@@ -17,9 +17,9 @@ struct Architecture {
 const Architecture* find_architecture(const std::string& name);
 std::string supported_architectures();  // comma-separated, for error messages
 
-// Shared by the parsers: the softmax router, and Qwen's way of choosing sparse layers
-// (num_experts, moe_intermediate_size, norm_topk_prob, mlp_only_layers, decoder_sparse_step).
-RouterConfig softmax_router(int64_t experts, int64_t top_k, bool renormalize);
+// Shared by the parsers: Qwen's way of choosing sparse layers (num_experts,
+// moe_intermediate_size, norm_topk_prob, mlp_only_layers, decoder_sparse_step); the softmax router
+// is moe::softmax_router (moe/router.h).
 // OLMoE sizes its experts with intermediate_size; the Qwen family with moe_intermediate_size.
 void parse_qwen_style_moe(const HfConfig& cfg, ModelConfig& mc,
                           bool expert_size_is_intermediate = false);

@@ -15,6 +15,40 @@ ExecMode parse_exec_mode(const std::string& name) {
 
 const char* exec_mode_name(ExecMode mode) { return mode == ExecMode::kNaive ? "naive" : "grouped"; }
 
+ExpertWeights zero_experts(int64_t num_local, int64_t hidden, int64_t inter) {
+  ExpertWeights w;
+  w.num_local = num_local;
+  w.hidden = hidden;
+  w.inter = inter;
+  w.gate_up = Tensor::zeros({num_local, 2 * inter, hidden});
+  w.down = Tensor::zeros({num_local, hidden, inter});
+  return w;
+}
+
+TokenSample sample_tokens(const std::vector<int64_t>& tokens, int64_t hidden, int64_t top_k,
+                          const std::vector<int32_t>& ids, const std::vector<float>& weights,
+                          const std::function<void(int64_t, float*)>& input) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  TokenSample s{Tensor::zeros({n, hidden}), {}, {}};
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = tokens[static_cast<size_t>(i)];
+    input(t, s.x.data<float>() + i * hidden);
+    s.ids.insert(s.ids.end(), ids.begin() + t * top_k, ids.begin() + (t + 1) * top_k);
+    s.weights.insert(s.weights.end(), weights.begin() + t * top_k, weights.begin() + (t + 1) * top_k);
+  }
+  return s;
+}
+
+void fill_uniform_bf16(Tensor& t, uint64_t seed, float scale) {
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+    const float u = static_cast<float>(s >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    p[i] = bf16_to_f32(f32_to_bf16((2.0f * u - 1.0f) * scale));
+  }
+}
+
 namespace {
 
 void run_naive(ThreadPool& pool, Arena& ws, const ExpertWeights& w,

@@ -24,6 +24,15 @@ std::string RouterConfig::describe() const {
   return s;
 }
 
+RouterConfig softmax_router(int64_t experts, int64_t top_k, bool renormalize) {
+  RouterConfig r;
+  r.num_experts = experts;
+  r.top_k = top_k;
+  r.scoring = RouterScoring::kSoftmax;
+  r.renormalize = renormalize;
+  return r;
+}
+
 void validate_router(const RouterConfig& rc, const std::string& origin) {
   MOE_CHECK(rc.num_experts > 0, kConfig, "{}: the router needs at least one expert", origin);
   MOE_CHECK(rc.top_k >= 1 && rc.top_k <= rc.num_experts, kConfig,

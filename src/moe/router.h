@@ -37,6 +37,10 @@ struct RouterConfig {
   std::string describe() const;
 };
 
+// The softmax top-k router (Qwen, Mixtral, OLMoE; DeepSeek-V2's greedy), renormalised over the k
+// or not.
+RouterConfig softmax_router(int64_t experts, int64_t top_k, bool renormalize);
+
 // Throws kConfig when the fields are inconsistent (k > E, groups not dividing E, ...).
 void validate_router(const RouterConfig& rc, const std::string& origin);
 

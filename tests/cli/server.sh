@@ -129,6 +129,14 @@ fi
 metric() { curl -s "$url/metrics" | awk -v n="$1" '$1 == n { print $2 }'; }
 [ "$(metric moe_kv_blocks_in_use)" = 0 ] && ok "no KV blocks in use after the clients" ||
   fail "KV blocks in use after the clients: $(metric moe_kv_blocks_in_use)"
+# blocks_freed: whether, within about three seconds, no KV block is in use and no request runs.
+blocks_freed() {
+  for _ in $(seq 1 30); do
+    [ "$(metric moe_kv_blocks_in_use)" = 0 ] && [ "$(metric moe_running_requests)" = 0 ] && return 0
+    sleep 0.1
+  done
+  return 1
+}
 
 # A client that leaves mid-stream: its request is cancelled and its blocks come back long
 # before the 4000 tokens it asked for would have been generated.
@@ -136,10 +144,7 @@ curl -sN --max-time 2 -H 'Content-Type: application/json' \
   --data-binary '{"prompt": "Hello", "max_tokens": 4000, "temperature": 0, "stream": true}' \
   "$url/v1/completions" >"$work/partial"
 freed=0
-for _ in $(seq 1 30); do
-  [ "$(metric moe_kv_blocks_in_use)" = 0 ] && [ "$(metric moe_running_requests)" = 0 ] && { freed=1; break; }
-  sleep 0.1
-done
+blocks_freed && freed=1
 if grep -q '^data: {' "$work/partial" && ! grep -q 'DONE' "$work/partial" && [ "$freed" = 1 ]; then
   ok "a disconnected stream frees its blocks"
 else
@@ -152,10 +157,7 @@ curl -s --max-time 0.5 -H 'Content-Type: application/json' \
   --data-binary '{"prompt": "Hello", "max_tokens": 4000, "temperature": 0}' \
   "$url/v1/completions" >"$work/partial_plain"
 freed=0
-for _ in $(seq 1 30); do
-  [ "$(metric moe_kv_blocks_in_use)" = 0 ] && [ "$(metric moe_running_requests)" = 0 ] && { freed=1; break; }
-  sleep 0.1
-done
+blocks_freed && freed=1
 if [ ! -s "$work/partial_plain" ] && [ "$freed" = 1 ]; then
   ok "a client that leaves a non-streaming request frees its blocks"
 else

@@ -49,26 +49,12 @@ struct Batch {
 class PagedCase {
  public:
   PagedCase(const Shape& sh, const Batch& b, int max_context, uint32_t seed)
-      : sh_(sh), rows_(b.rows), max_context_(max_context), rng_(seed) {
+      : sh_(sh), rows_(b.rows), max_context_(max_context), rng_(seed), blocks_(rows_, sh.block_size, max_context, rng_) {
     const int seqs = static_cast<int>(rows_.size());
-    const int bs = sh.block_size;
-    max_blocks_ = (max_context + bs - 1) / bs + 1;  // one spare entry, pointed at a NaN block
-    int used = 0;
-    for (int s = 0; s < seqs; ++s) used += (max_context + bs - 1) / bs;
-    num_blocks_ = used + 3;  // a few blocks nobody owns, NaN-filled
     const size_t row_elems = static_cast<size_t>(sh.kv_heads) * sh.head_dim;
-    const size_t pool_elems = static_cast<size_t>(num_blocks_) * bs * row_elems;
     // Every pool row starts as NaN; positions < max_context of each sequence get values.
-    k_.assign(pool_elems, NAN);
-    v_.assign(pool_elems, NAN);
-    std::vector<int> perm(static_cast<size_t>(num_blocks_));
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng_);
-    const int nan_block = perm.back();
-    tables_.assign(static_cast<size_t>(seqs) * max_blocks_, nan_block);
-    int next = 0;
-    for (int s = 0; s < seqs; ++s)
-      for (int i = 0; i < (max_context + bs - 1) / bs; ++i) tables_[s * max_blocks_ + i] = perm[next++];
+    k_.assign(blocks_.pool_rows() * row_elems, NAN);
+    v_.assign(blocks_.pool_rows() * row_elems, NAN);
     // Values per sequence position, kept contiguous for the reference.
     seq_k_.resize(seqs);
     seq_v_.resize(seqs);
@@ -76,9 +62,7 @@ class PagedCase {
       seq_k_[s] = gputest::random_bf16_exact(static_cast<size_t>(max_context) * row_elems, rng_, 1.0f);
       seq_v_[s] = gputest::random_bf16_exact(static_cast<size_t>(max_context) * row_elems, rng_, 1.0f);
     }
-    starts_.assign(1, 0);
-    for (int r : rows_) starts_.push_back(starts_.back() + r);
-    tokens_ = starts_.back();
+    tokens_ = blocks_.tokens;
     q_ = gputest::random_bf16_exact(static_cast<size_t>(tokens_) * sh.q_heads * sh.head_dim, rng_, 1.0f);
     set_context(b.ctx);
   }
@@ -87,17 +71,9 @@ class PagedCase {
   // as rows not yet written by the engine may hold anything.
   void set_context(const std::vector<int>& ctx) {
     ctx_ = ctx;
-    const int bs = sh_.block_size;
     const size_t row_elems = static_cast<size_t>(sh_.kv_heads) * sh_.head_dim;
-    for (size_t s = 0; s < rows_.size(); ++s) {
-      for (int pos = 0; pos < max_context_; ++pos) {
-        const size_t dst = (static_cast<size_t>(tables_[s * max_blocks_ + pos / bs]) * bs + pos % bs) * row_elems;
-        for (size_t e = 0; e < row_elems; ++e) {
-          k_[dst + e] = pos < ctx[s] ? seq_k_[s][pos * row_elems + e] : NAN;
-          v_[dst + e] = pos < ctx[s] ? seq_v_[s][pos * row_elems + e] : NAN;
-        }
-      }
-    }
+    blocks_.scatter(seq_k_, ctx, row_elems, k_);
+    blocks_.scatter(seq_v_, ctx, row_elems, v_);
   }
 
   std::vector<float> reference() const {
@@ -106,7 +82,7 @@ class PagedCase {
     std::vector<float> out(static_cast<size_t>(tokens_) * sh_.q_heads * D);
     for (size_t s = 0; s < rows_.size(); ++s) {
       if (rows_[s] == 0) continue;
-      const size_t q_off = static_cast<size_t>(starts_[s]) * sh_.q_heads * D;
+      const size_t q_off = static_cast<size_t>(blocks_.starts[s]) * sh_.q_heads * D;
       cpu::attention(pool, q_.data() + q_off, seq_k_[s].data(), seq_v_[s].data(), out.data() + q_off,
                      rows_[s], ctx_[s], sh_.q_heads, sh_.kv_heads, D, D,
                      static_cast<int64_t>(sh_.kv_heads) * D, static_cast<int64_t>(sh_.kv_heads) * D,
@@ -125,27 +101,16 @@ class PagedCase {
     dk_ = std::make_unique<DeviceBuffer<uint16_t>>(gputest::to_bf16(k_));
     dv_ = std::make_unique<DeviceBuffer<uint16_t>>(gputest::to_bf16(v_));
     dq_ = std::make_unique<DeviceBuffer<uint16_t>>(gputest::to_bf16(q_));
-    dtables_ = std::make_unique<DeviceBuffer<int32_t>>(tables_);
-    dstarts_ = std::make_unique<DeviceBuffer<int32_t>>(starts_);
-    dctx_ = std::make_unique<DeviceBuffer<int32_t>>(ctx_);
+    dblocks_ = std::make_unique<gputest::DevicePagedBlocks>(blocks_, ctx_);
     dout_ = std::make_unique<DeviceBuffer<uint16_t>>(static_cast<size_t>(tokens_) * sh_.q_heads * sh_.head_dim);
     p_ = PagedAttentionParams{};
-    p_.q = dq_->get();
+    dblocks_->set(p_, blocks_, dq_->get(), dout_->get());
     p_.k_cache = dk_->get();
     p_.v_cache = dv_->get();
-    p_.block_tables = dtables_->get();
-    p_.seq_starts = dstarts_->get();
-    p_.context_lens = dctx_->get();
-    p_.num_seqs = static_cast<int>(rows_.size());
-    p_.tokens = tokens_;
     p_.q_heads = sh_.q_heads;
     p_.kv_heads = sh_.kv_heads;
     p_.head_dim = sh_.head_dim;
-    p_.block_size = sh_.block_size;
-    p_.max_blocks_per_seq = max_blocks_;
-    p_.max_context = max_context_;
     p_.scale = 1.0f / std::sqrt(static_cast<float>(sh_.head_dim));
-    p_.out = dout_->get();
     set_path(path, 0);
   }
 
@@ -153,9 +118,7 @@ class PagedCase {
   void set_path(AttentionPath path, int split_keys) {
     const size_t ws = cuda::kernels::paged_attention_workspace_bytes(tokens_, sh_.q_heads, sh_.head_dim,
                                                                      max_context_, split_keys);
-    dws_ = std::make_unique<DeviceBuffer<uint8_t>>(ws);
-    dws_->poison();
-    p_.workspace = ws ? dws_->get() : nullptr;
+    p_.workspace = gputest::poisoned_workspace(ws, dws_);
     p_.path = path;
     p_.split_keys = split_keys;
   }
@@ -165,28 +128,23 @@ class PagedCase {
     set_context(ctx);
     dk_->upload(gputest::to_bf16(k_));
     dv_->upload(gputest::to_bf16(v_));
-    dctx_->upload(ctx_);
+    dblocks_->context_lens.upload(ctx_);
   }
 
-  std::vector<float> launch() {
-    dout_->poison();
-    EXPECT_EQ(cuda::kernels::paged_attention(p_, nullptr), cudaSuccess);
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    return gputest::from_bf16(dout_->download());
-  }
+  std::vector<float> launch() { return gputest::launch_bf16_out(cuda::kernels::paged_attention, p_, *dout_); }
 
   const PagedAttentionParams& params() const { return p_; }
 
  private:
   Shape sh_;
   std::vector<int> rows_, ctx_;
-  int max_context_, max_blocks_ = 0, num_blocks_ = 0, tokens_ = 0;
+  int max_context_, tokens_ = 0;
   std::mt19937 rng_;
+  gputest::PagedBlocks blocks_;
   std::vector<float> k_, v_, q_;
   std::vector<std::vector<float>> seq_k_, seq_v_;
-  std::vector<int32_t> tables_, starts_;
   std::unique_ptr<DeviceBuffer<uint16_t>> dk_, dv_, dq_, dout_;
-  std::unique_ptr<DeviceBuffer<int32_t>> dtables_, dstarts_, dctx_;
+  std::unique_ptr<gputest::DevicePagedBlocks> dblocks_;
   std::unique_ptr<DeviceBuffer<uint8_t>> dws_;
   PagedAttentionParams p_;
 };
@@ -291,15 +249,12 @@ TEST(CudaAttention, RejectsBadSizes) {
   REQUIRE_GPU();
   PagedCase c({4, 2, 64, 16}, {{1}, {10}}, 10, 5);
   c.prepare(AttentionPath::kAuto);
-  PagedAttentionParams p = c.params();
-  p.head_dim = 60;
-  EXPECT_EQ(cuda::kernels::paged_attention(p, nullptr), cudaErrorInvalidValue);
-  p = c.params();
-  p.block_size = 24;
-  EXPECT_EQ(cuda::kernels::paged_attention(p, nullptr), cudaErrorInvalidValue);
-  p = c.params();
-  p.kv_heads = 3;
-  EXPECT_EQ(cuda::kernels::paged_attention(p, nullptr), cudaErrorInvalidValue);
+  const auto with = [&](auto change) {
+    return gputest::launch_changed(cuda::kernels::paged_attention, c.params(), change);
+  };
+  EXPECT_EQ(with([](PagedAttentionParams& p) { p.head_dim = 60; }), cudaErrorInvalidValue);
+  EXPECT_EQ(with([](PagedAttentionParams& p) { p.block_size = 24; }), cudaErrorInvalidValue);
+  EXPECT_EQ(with([](PagedAttentionParams& p) { p.kv_heads = 3; }), cudaErrorInvalidValue);
 }
 
 // Microseconds per call: `reps` calls captured in one CUDA graph (as the engine replays its
@@ -326,20 +281,13 @@ double graph_us(const PagedAttentionParams& p, DeviceBuffer<uint8_t>* flush) {
     EXPECT_EQ(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
     EXPECT_EQ(cudaGraphLaunch(ge, st), cudaSuccess);  // warm-up
     EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    cudaEventRecord(e0, st);
+    gputest::EventTimer timer;
+    timer.start(st);
     for (int r = 0; r < kReplays; ++r) cudaGraphLaunch(ge, st);
-    cudaEventRecord(e1, st);
-    EXPECT_EQ(cudaEventSynchronize(e1), cudaSuccess);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
+    EXPECT_EQ(timer.stop(st), cudaSuccess);
     cudaGraphExecDestroy(ge);
     cudaGraphDestroy(g);
-    return 1000.0 * ms / (kReps * kReplays);
+    return 1000.0 * timer.ms() / (kReps * kReplays);
   };
   double us = time_graph(true);
   if (flush) us -= time_graph(false);

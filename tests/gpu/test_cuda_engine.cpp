@@ -13,6 +13,7 @@
 
 #include "backend/cuda_engine.h"
 #include "gpu_test_util.h"
+#include "../support/engine_decode.h"
 #include "../support/fixtures.h"
 #include "model/model.h"
 #include "moe/errors.h"
@@ -159,10 +160,7 @@ TEST_P(CudaFixtureTest, GreedyTokensMatchCpuEngine) {
   size_t compared = 0;
   bool all_equal = true;
   for (size_t i = 0; i < ref["inputs"].size(); ++i) {
-    auto ids = ref["inputs"][i].get<std::vector<int32_t>>();
-    auto expected = ref["greedy"][i].get<std::vector<int32_t>>();
-    std::vector<int32_t> sequence = ids;
-    sequence.insert(sequence.end(), expected.begin(), expected.end() - 1);
+    const auto [ids, expected, sequence] = test::greedy_case(ref, i);
     const CpuRun cpu = cpu_run(dir, sequence);
     Tensor forced;
     const int32_t probe = engine->open();
@@ -184,15 +182,7 @@ TEST_P(CudaFixtureTest, GreedyTokensMatchCpuEngine) {
       if (sorted[0] - sorted[1] <= 3 * diff) break;
       ++clear;
     }
-    const int32_t seq = engine->open();
-    std::vector<int32_t> got{engine->prefill(seq, ids, SamplingParams{})};
-    std::vector<int32_t> seqs{seq};
-    std::vector<SamplingParams> greedy(1);
-    while (got.size() < expected.size()) {
-      std::vector<int32_t> last{got.back()};
-      got.push_back(engine->decode(seqs, last, greedy)[0]);
-    }
-    engine->close(seq);
+    const std::vector<int32_t> got = test::greedy_tokens(*engine, ids, expected.size());
     std::printf("[ %s input %zu ] %zu of %zu greedy steps decided clearly on the CPU; GPU: %s\n",
                 GetParam().c_str(), i, clear, expected.size(),
                 std::equal(got.begin(), got.end(), expected.begin()) ? "all equal" : "differs later");
@@ -214,27 +204,8 @@ TEST_P(CudaFixtureTest, GraphDecodeEqualsEagerAndBatchEqualsAlone) {
   std::vector<std::vector<int32_t>> prompts{{5, 9, 1}, {7}, {3, 2, 8, 8, 4, 6, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10}};
   auto run = [&](bool graphs, bool together) {
     auto engine = load(dir, graphs);
-    std::vector<std::vector<int32_t>> out(prompts.size());
-    std::vector<int32_t> seqs, last;
-    for (const auto& p : prompts) {
-      seqs.push_back(engine->open());
-      last.push_back(engine->prefill(seqs.back(), p, SamplingParams{}));
-      out[seqs.size() - 1].push_back(last.back());
-    }
-    for (int step = 0; step < 20; ++step) {
-      if (together) {
-        std::vector<SamplingParams> greedy(seqs.size());
-        last = engine->decode(seqs, last, greedy);
-      } else {
-        for (size_t s = 0; s < seqs.size(); ++s) {
-          std::vector<int32_t> one{seqs[s]}, tok{last[s]};
-          std::vector<SamplingParams> greedy(1);
-          last[s] = engine->decode(one, tok, greedy)[0];
-        }
-      }
-      for (size_t s = 0; s < seqs.size(); ++s) out[s].push_back(last[s]);
-    }
-    return out;
+    std::vector<int32_t> seqs;
+    return test::greedy_prompts(*engine, prompts, 20, together, &seqs);
   };
   const auto graph_batch = run(true, true);
   EXPECT_EQ(graph_batch, run(false, true)) << "graph replay differs from eager decode";

@@ -14,6 +14,7 @@
 
 #include "backend/cuda_engine.h"
 #include "gpu_test_util.h"
+#include "../support/engine_decode.h"
 #include "../support/fixtures.h"
 #include "../unit/test_util.h"
 #include "model/config.h"
@@ -59,19 +60,6 @@ Tensor forced_logits(cuda::Engine& e, const std::vector<int32_t>& sequence, std:
   return logits;
 }
 
-std::vector<int32_t> greedy(cuda::Engine& e, const std::vector<int32_t>& ids, size_t n) {
-  const int32_t s = e.open();
-  std::vector<int32_t> got{e.prefill(s, ids, SamplingParams{})};
-  std::vector<int32_t> seqs{s};
-  std::vector<SamplingParams> g(1);
-  while (got.size() < n) {
-    std::vector<int32_t> last{got.back()};
-    got.push_back(e.decode(seqs, last, g)[0]);
-  }
-  e.close(s);
-  return got;
-}
-
 class CudaEngineParallel : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 // Rows before the first routing decision where the two runs chose differently (a bf16 near-tie:
@@ -92,10 +80,7 @@ TEST_P(CudaEngineParallel, LogitsAndGreedyTokensMatchOneGpu) {
   size_t compared = 0, rows_checked = 0;
   bool all_equal = true;
   for (size_t i = 0; i < ref["inputs"].size(); ++i) {
-    auto ids = ref["inputs"][i].get<std::vector<int32_t>>();
-    auto expected = ref["greedy"][i].get<std::vector<int32_t>>();
-    std::vector<int32_t> sequence = ids;
-    sequence.insert(sequence.end(), expected.begin(), expected.end() - 1);
+    const auto [ids, expected, sequence] = test::greedy_case(ref, i);
     const int64_t rows = static_cast<int64_t>(sequence.size());
     std::vector<int32_t> route1, routen;
     const Tensor l1 = forced_logits(*one, sequence, &route1);
@@ -131,8 +116,8 @@ TEST_P(CudaEngineParallel, LogitsAndGreedyTokensMatchOneGpu) {
       ++rows_checked;
       EXPECT_LE(diff[static_cast<size_t>(t)], logit_bound(scale)) << name << " on " << n << " GPUs, input " << i << " row " << t;
     }
-    const auto got1 = greedy(*one, ids, expected.size());
-    const auto gotn = greedy(*many, ids, expected.size());
+    const auto got1 = test::greedy_tokens(*one, ids, expected.size());
+    const auto gotn = test::greedy_tokens(*many, ids, expected.size());
     size_t clear = 0;
     for (size_t step = 0; step < expected.size(); ++step) {
       const int64_t pos = static_cast<int64_t>(ids.size() - 1 + step);
@@ -163,26 +148,8 @@ TEST_P(CudaEngineParallel, GraphDecodeEqualsEagerAndBatchEqualsAlone) {
   std::vector<std::vector<int32_t>> prompts{{5, 9, 1}, {7}, {3, 2, 8, 8, 4, 6, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10}};
   auto run = [&](bool graphs, bool together) {
     auto engine = load(dir, tp, n, graphs);
-    std::vector<std::vector<int32_t>> out(prompts.size());
-    std::vector<int32_t> seqs, last;
-    for (const auto& p : prompts) {
-      seqs.push_back(engine->open());
-      last.push_back(engine->prefill(seqs.back(), p, SamplingParams{}));
-      out[seqs.size() - 1].push_back(last.back());
-    }
-    for (int step = 0; step < 12; ++step) {
-      if (together) {
-        std::vector<SamplingParams> g(seqs.size());
-        last = engine->decode(seqs, last, g);
-      } else {
-        for (size_t s = 0; s < seqs.size(); ++s) {
-          std::vector<int32_t> one{seqs[s]}, tok{last[s]};
-          std::vector<SamplingParams> g(1);
-          last[s] = engine->decode(one, tok, g)[0];
-        }
-      }
-      for (size_t s = 0; s < seqs.size(); ++s) out[s].push_back(last[s]);
-    }
+    std::vector<int32_t> seqs;
+    auto out = test::greedy_prompts(*engine, prompts, 12, together, &seqs);
     for (int32_t s : seqs) engine->close(s);
     const cuda::MemoryReport m = engine->memory();
     EXPECT_GT(m.weights, 0u);

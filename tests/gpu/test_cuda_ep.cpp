@@ -83,15 +83,7 @@ Problem make_problem(int64_t tokens, double skew, uint32_t seed, cuda::ExpertSha
   std::vector<double> w(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) w[static_cast<size_t>(e)] = std::pow(skew, static_cast<double>(e));
   for (int64_t t = 0; t < tokens; ++t) {
-    std::vector<double> q = w;
-    std::vector<int32_t> pick;
-    for (int64_t j = 0; j < K; ++j) {
-      std::discrete_distribution<int32_t> d(q.begin(), q.end());
-      const int32_t e = d(rng);
-      pick.push_back(e);
-      q[static_cast<size_t>(e)] = 0;
-    }
-    std::sort(pick.begin(), pick.end());
+    const std::vector<int32_t> pick = gputest::draw_experts(w, K, rng);
     p.ids.insert(p.ids.end(), pick.begin(), pick.end());
     for (int64_t j = 0; j < K; ++j) p.weights.push_back(std::uniform_real_distribution<float>(0.1f, 1.0f)(rng));
   }
@@ -137,17 +129,8 @@ struct RankData {
 
 cuda::EpLayerConfig config(dist::EpBackend backend, int ranks, int rank, int64_t max_tokens,
                            cuda::ExpertShape shape = kShape) {
-  cuda::EpLayerConfig c;
-  c.backend = backend;
-  c.rank = rank;
-  c.ranks = ranks;
-  c.device = rank;
-  c.experts = shape.experts;
-  c.hidden = shape.hidden;
-  c.inter = shape.inter;
-  c.top_k = shape.top_k;
-  c.max_tokens = max_tokens;
-  return c;
+  return {.backend = backend, .rank = rank, .ranks = ranks, .device = rank, .experts = shape.experts,
+          .hidden = shape.hidden, .inter = shape.inter, .top_k = shape.top_k, .max_tokens = max_tokens};
 }
 
 // Runs `backend` on the first `ranks` GPUs (two calls, so that the second reuses buffers that

@@ -44,11 +44,41 @@ struct Dims {
   int heads, lora, rope;
 };
 
-std::vector<float> make_inv_freq(int rope) {
-  std::vector<float> f(static_cast<size_t>(rope / 2));
-  for (int i = 0; i < rope / 2; ++i) f[i] = 1.0f / std::pow(10000.0f, static_cast<float>(2 * i) / rope);
-  return f;
-}
+// The rotation's inputs, which both prepare kernels take: the inverse frequencies of `rope` dims,
+// a scale on cos and sin, and one random position below max_pos a token; with device copies.
+struct RopeInputs {
+  std::vector<float> inv_freq;
+  float scale;
+  std::vector<int32_t> positions;
+  DeviceBuffer<float> dfreq;
+  DeviceBuffer<int32_t> dpos;
+
+  RopeInputs(int rope, float scale, int tokens, int max_pos, std::mt19937& rng)
+      : inv_freq(inverse_frequencies(rope)),
+        scale(scale),
+        positions(random_positions(tokens, max_pos, rng)),
+        dfreq(inv_freq),
+        dpos(positions) {}
+
+  static std::vector<float> inverse_frequencies(int rope) {
+    std::vector<float> f(static_cast<size_t>(rope / 2));
+    for (int i = 0; i < rope / 2; ++i) f[i] = 1.0f / std::pow(10000.0f, static_cast<float>(2 * i) / rope);
+    return f;
+  }
+  static std::vector<int32_t> random_positions(int tokens, int max_pos, std::mt19937& rng) {
+    std::vector<int32_t> positions(static_cast<size_t>(tokens));
+    std::uniform_int_distribution<int> pos_dist(0, max_pos);
+    for (auto& p : positions) p = pos_dist(rng);
+    return positions;
+  }
+
+  template <class Params>
+  void set(Params& p) const {
+    p.inv_freq = dfreq.get();
+    p.rope_scale = scale;
+    p.positions = dpos.get();
+  }
+};
 
 // ---------------------------------------------------------------------------------------------
 TEST(CudaLatentAttention, PrepareLatent) {
@@ -63,27 +93,23 @@ TEST(CudaLatentAttention, PrepareLatent) {
     std::vector<float> kv = gputest::random_bf16_exact(static_cast<size_t>(tokens) * stride, rng, 2.0f);
     std::vector<float> weight = gputest::random_bf16_exact(lora, rng, 0.2f);
     for (float& w : weight) w += 1.0f;
-    const std::vector<float> inv_freq = make_inv_freq(rope);
-    const float rope_scale = lora == 24 ? 1.0f : 0.93f;  // YaRN's attention factor on cos and sin
-    std::vector<int32_t> positions(tokens), slots(pool_rows);
-    std::uniform_int_distribution<int> pos_dist(0, 5000);
-    for (auto& p : positions) p = pos_dist(rng);
+    // 0.93: YaRN's attention factor on cos and sin
+    const RopeInputs rot(rope, lora == 24 ? 1.0f : 0.93f, tokens, 5000, rng);
+    std::vector<int32_t> slots(pool_rows);
     std::iota(slots.begin(), slots.end(), 0);
     std::shuffle(slots.begin(), slots.end(), rng);
     slots.resize(tokens);
     slots[5] = -1;
 
-    DeviceBuffer<float> dkv(kv), dw(weight), dfreq(inv_freq);
-    DeviceBuffer<int32_t> dpos(positions), dslots(slots);
+    DeviceBuffer<float> dkv(kv), dw(weight);
+    DeviceBuffer<int32_t> dslots(slots);
     DeviceBuffer<uint16_t> dcache(std::vector<uint16_t>(static_cast<size_t>(pool_rows) * row, kSentinel));
     cuda::kernels::LatentCacheParams p;
     p.kv = dkv.get();
     p.kv_stride = stride;
     p.norm_weight = dw.get();
     p.eps = 1e-6f;
-    p.inv_freq = dfreq.get();
-    p.rope_scale = rope_scale;
-    p.positions = dpos.get();
+    rot.set(p);
     p.slots = dslots.get();
     p.cache = dcache.get();
     p.tokens = tokens;
@@ -101,7 +127,7 @@ TEST(CudaLatentAttention, PrepareLatent) {
       std::vector<float> r(static_cast<size_t>(row));
       cpu::rms_norm(pool, kv.data() + static_cast<size_t>(t) * stride, weight.data(), r.data(), 1, lora, 1e-6f);
       std::copy_n(kv.data() + static_cast<size_t>(t) * stride + lora, rope, r.data() + lora);
-      cpu::rope_interleaved(r.data() + lora, 1, 1, rope, rope, &positions[t], inv_freq.data(), rope_scale);
+      cpu::rope_interleaved(r.data() + lora, 1, 1, rope, rope, &rot.positions[t], rot.inv_freq.data(), rot.scale);
       ref.insert(ref.end(), r.begin(), r.end());
       for (int e = 0; e < row; ++e) got.push_back(bf16_to_f32(cache[static_cast<size_t>(slots[t]) * row + e]));
     }
@@ -123,22 +149,16 @@ TEST(CudaLatentAttention, PrepareMlaQ) {
   for (const Q& d : {Q{4, 16, 8, 16}, Q{4, 8, 8, 32}, Q{16, 128, 64, 512}, Q{128, 128, 64, 512}}) {
     const int tokens = 19, width = d.nope + d.rope, full = d.lora + d.rope;
     const std::vector<float> q = gputest::random_bf16_exact(static_cast<size_t>(tokens) * d.heads * width, rng, 1.5f);
-    const std::vector<float> inv_freq = make_inv_freq(d.rope);
-    const float rope_scale = d.lora == 32 ? 1.0f : 1.12f;  // YaRN's attention factor on cos and sin
-    std::vector<int32_t> positions(tokens);
-    std::uniform_int_distribution<int> pos_dist(0, 3000);
-    for (auto& p : positions) p = pos_dist(rng);
-    DeviceBuffer<float> dq(q), dfreq(inv_freq);
-    DeviceBuffer<int32_t> dpos(positions);
+    // 1.12: YaRN's attention factor on cos and sin
+    const RopeInputs rot(d.rope, d.lora == 32 ? 1.0f : 1.12f, tokens, 3000, rng);
+    DeviceBuffer<float> dq(q);
     DeviceBuffer<uint16_t> dnope(static_cast<size_t>(tokens) * d.heads * d.nope);
     DeviceBuffer<uint16_t> dfull(static_cast<size_t>(tokens) * d.heads * full);
     dnope.poison();
     dfull.poison();
     cuda::kernels::MlaQParams p;
     p.q = dq.get();
-    p.inv_freq = dfreq.get();
-    p.rope_scale = rope_scale;
-    p.positions = dpos.get();
+    rot.set(p);
     p.q_nope = dnope.get();
     p.q_full = dfull.get();
     p.tokens = tokens;
@@ -153,7 +173,7 @@ TEST(CudaLatentAttention, PrepareMlaQ) {
     std::vector<float> ref_rope = q;
     for (int t = 0; t < tokens; ++t)
       cpu::rope_interleaved(ref_rope.data() + static_cast<size_t>(t) * d.heads * width + d.nope, 1, d.heads,
-                            width, d.rope, &positions[t], inv_freq.data(), rope_scale);
+                            width, d.rope, &rot.positions[t], rot.inv_freq.data(), rot.scale);
     // The nope part is a copy of bf16-exact values: it must be exact.
     size_t nope_wrong = 0, lora_touched = 0;
     std::vector<float> got, ref;
@@ -179,25 +199,12 @@ struct Batch {
 class LatentCase {
  public:
   LatentCase(const Dims& dims, int block_size, const Batch& b, int max_context, uint32_t seed)
-      : dims_(dims), bs_(block_size), rows_(b.rows), max_context_(max_context), rng_(seed) {
-    const int seqs = static_cast<int>(rows_.size());
+      : dims_(dims), rows_(b.rows), max_context_(max_context), rng_(seed), blocks_(rows_, block_size, max_context, rng_) {
     row_ = dims.lora + dims.rope;
-    max_blocks_ = (max_context + bs_ - 1) / bs_ + 1;  // one spare entry, pointed at a NaN block
-    const int per_seq = (max_context + bs_ - 1) / bs_;
-    num_blocks_ = per_seq * seqs + 3;  // a few blocks nobody owns, NaN-filled
-    cache_.assign(static_cast<size_t>(num_blocks_) * bs_ * row_, NAN);
-    std::vector<int> perm(static_cast<size_t>(num_blocks_));
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng_);
-    tables_.assign(static_cast<size_t>(seqs) * max_blocks_, perm.back());
-    int next = 0;
-    for (int s = 0; s < seqs; ++s)
-      for (int i = 0; i < per_seq; ++i) tables_[static_cast<size_t>(s) * max_blocks_ + i] = perm[next++];
-    seq_rows_.resize(static_cast<size_t>(seqs));
+    cache_.assign(blocks_.pool_rows() * row_, NAN);
+    seq_rows_.resize(rows_.size());
     for (auto& r : seq_rows_) r = gputest::random_bf16_exact(static_cast<size_t>(max_context) * row_, rng_, 1.0f);
-    starts_.assign(1, 0);
-    for (int r : rows_) starts_.push_back(starts_.back() + r);
-    tokens_ = starts_.back();
+    tokens_ = blocks_.tokens;
     q_ = gputest::random_bf16_exact(static_cast<size_t>(tokens_) * dims.heads * row_, rng_, 1.0f);
     // As 1 / sqrt(nope + rope) with nope = lora / 4 (128 for lora 512).
     scale_ = 1.0f / std::sqrt(static_cast<float>(dims.lora / 4 + dims.rope));
@@ -207,12 +214,7 @@ class LatentCase {
   // Positions >= ctx of each sequence go back to NaN: rows not yet written may hold anything.
   void set_context(const std::vector<int>& ctx) {
     ctx_ = ctx;
-    for (size_t s = 0; s < rows_.size(); ++s)
-      for (int pos = 0; pos < max_context_; ++pos) {
-        const size_t blk = static_cast<size_t>(tables_[s * max_blocks_ + pos / bs_]);
-        float* dst = cache_.data() + (blk * bs_ + pos % bs_) * row_;
-        for (int e = 0; e < row_; ++e) dst[e] = pos < ctx[s] ? seq_rows_[s][static_cast<size_t>(pos) * row_ + e] : NAN;
-      }
+    blocks_.scatter(seq_rows_, ctx, static_cast<size_t>(row_), cache_);
   }
 
   std::vector<float> reference() const {
@@ -220,7 +222,7 @@ class LatentCase {
     std::vector<float> out(static_cast<size_t>(tokens_) * dims_.heads * dims_.lora);
     for (size_t s = 0; s < rows_.size(); ++s) {
       if (rows_[s] == 0) continue;
-      const size_t r0 = static_cast<size_t>(starts_[s]) * dims_.heads;
+      const size_t r0 = static_cast<size_t>(blocks_.starts[s]) * dims_.heads;
       cpu::attention(pool, q_.data() + r0 * row_, seq_rows_[s].data(), seq_rows_[s].data(),
                      out.data() + r0 * dims_.lora, rows_[s], ctx_[s], dims_.heads, 1, row_, dims_.lora, row_,
                      row_, scale_);
@@ -231,31 +233,18 @@ class LatentCase {
   void prepare() {
     dcache_ = std::make_unique<DeviceBuffer<uint16_t>>(gputest::to_bf16(cache_));
     dq_ = std::make_unique<DeviceBuffer<uint16_t>>(gputest::to_bf16(q_));
-    dtables_ = std::make_unique<DeviceBuffer<int32_t>>(tables_);
-    dstarts_ = std::make_unique<DeviceBuffer<int32_t>>(starts_);
-    dctx_ = std::make_unique<DeviceBuffer<int32_t>>(ctx_);
+    dblocks_ = std::make_unique<gputest::DevicePagedBlocks>(blocks_, ctx_);
     dout_ = std::make_unique<DeviceBuffer<uint16_t>>(static_cast<size_t>(tokens_) * dims_.heads * dims_.lora);
     const size_t ws =
         cuda::kernels::latent_attention_workspace_bytes(tokens_, dims_.heads, dims_.lora, max_context_);
-    dws_ = std::make_unique<DeviceBuffer<uint8_t>>(ws);
-    dws_->poison();
     p_ = LatentAttentionParams{};
-    p_.q = dq_->get();
+    dblocks_->set(p_, blocks_, dq_->get(), dout_->get());
     p_.cache = dcache_->get();
-    p_.block_tables = dtables_->get();
-    p_.seq_starts = dstarts_->get();
-    p_.context_lens = dctx_->get();
-    p_.num_seqs = static_cast<int>(rows_.size());
-    p_.tokens = tokens_;
     p_.heads = dims_.heads;
     p_.lora = dims_.lora;
     p_.rope = dims_.rope;
-    p_.block_size = bs_;
-    p_.max_blocks_per_seq = max_blocks_;
-    p_.max_context = max_context_;
     p_.scale = scale_;
-    p_.out = dout_->get();
-    p_.workspace = ws ? dws_->get() : nullptr;
+    p_.workspace = gputest::poisoned_workspace(ws, dws_);
   }
 
   // Same host fields as the last prepare(), as in a captured graph; only the device lengths and
@@ -263,15 +252,10 @@ class LatentCase {
   void replay_with(const std::vector<int>& ctx) {
     set_context(ctx);
     dcache_->upload(gputest::to_bf16(cache_));
-    dctx_->upload(ctx_);
+    dblocks_->context_lens.upload(ctx_);
   }
 
-  std::vector<float> launch() {
-    dout_->poison();
-    EXPECT_EQ(cuda::kernels::latent_attention(p_, nullptr), cudaSuccess);
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    return gputest::from_bf16(dout_->download());
-  }
+  std::vector<float> launch() { return gputest::launch_bf16_out(cuda::kernels::latent_attention, p_, *dout_); }
 
   // The launch captured once in a CUDA graph on its own stream, then replayed: the graph keeps
   // the host fields of the capture and reads the device lengths of the moment.
@@ -300,16 +284,15 @@ class LatentCase {
 
  private:
   Dims dims_;
-  int bs_;
   std::vector<int> rows_, ctx_;
-  int max_context_, row_ = 0, max_blocks_ = 0, num_blocks_ = 0, tokens_ = 0;
+  int max_context_, row_ = 0, tokens_ = 0;
   float scale_ = 1.0f;
   std::mt19937 rng_;
+  gputest::PagedBlocks blocks_;
   std::vector<float> cache_, q_;
   std::vector<std::vector<float>> seq_rows_;
-  std::vector<int32_t> tables_, starts_;
   std::unique_ptr<DeviceBuffer<uint16_t>> dcache_, dq_, dout_;
-  std::unique_ptr<DeviceBuffer<int32_t>> dtables_, dstarts_, dctx_;
+  std::unique_ptr<gputest::DevicePagedBlocks> dblocks_;
   std::unique_ptr<DeviceBuffer<uint8_t>> dws_;
   LatentAttentionParams p_;
   cudaStream_t stream_ = nullptr;
@@ -392,18 +375,13 @@ TEST(CudaLatentAttention, RejectsBadSizes) {
   REQUIRE_GPU();
   LatentCase c(kTiny, 16, {{1}, {10}}, 10, 5);
   c.prepare();
-  LatentAttentionParams p = c.params();
-  p.lora = 20;
-  EXPECT_EQ(cuda::kernels::latent_attention(p, nullptr), cudaErrorInvalidValue);
-  p = c.params();
-  p.lora = 520;
-  EXPECT_EQ(cuda::kernels::latent_attention(p, nullptr), cudaErrorInvalidValue);
-  p = c.params();
-  p.rope = 72;
-  EXPECT_EQ(cuda::kernels::latent_attention(p, nullptr), cudaErrorInvalidValue);
-  p = c.params();
-  p.block_size = 24;
-  EXPECT_EQ(cuda::kernels::latent_attention(p, nullptr), cudaErrorInvalidValue);
+  const auto with = [&](auto change) {
+    return gputest::launch_changed(cuda::kernels::latent_attention, c.params(), change);
+  };
+  EXPECT_EQ(with([](LatentAttentionParams& p) { p.lora = 20; }), cudaErrorInvalidValue);
+  EXPECT_EQ(with([](LatentAttentionParams& p) { p.lora = 520; }), cudaErrorInvalidValue);
+  EXPECT_EQ(with([](LatentAttentionParams& p) { p.rope = 72; }), cudaErrorInvalidValue);
+  EXPECT_EQ(with([](LatentAttentionParams& p) { p.block_size = 24; }), cudaErrorInvalidValue);
   cuda::kernels::MlaQParams q;
   q.tokens = 1;
   q.heads = 4;

@@ -46,15 +46,7 @@ std::vector<int32_t> route(int64_t experts, int64_t tokens, int64_t k, double sk
   for (size_t e = 0; e < p.size(); ++e) p[e] = std::pow(skew, static_cast<double>(e));
   std::vector<int32_t> ids;
   for (int64_t t = 0; t < tokens; ++t) {
-    std::vector<double> q = p;
-    std::vector<int32_t> pick;
-    for (int64_t j = 0; j < k; ++j) {
-      std::discrete_distribution<int32_t> d(q.begin(), q.end());
-      const int32_t e = d(rng);
-      pick.push_back(e);
-      q[static_cast<size_t>(e)] = 0;
-    }
-    std::sort(pick.begin(), pick.end());
+    const std::vector<int32_t> pick = gputest::draw_experts(p, k, rng);
     ids.insert(ids.end(), pick.begin(), pick.end());
   }
   return ids;
@@ -65,25 +57,10 @@ struct Layer {
   DeviceBuffer<uint16_t> gate_up, down;
 };
 
-// Weights: uniform, bf16-exact, from a 64-bit xorshift (a normal draw per element takes ~15 s
-// for the 600M weights of a qwen3 layer; this takes about one).
-void fill_uniform_bf16(Tensor& t, uint64_t seed, float scale) {
-  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
-  float* p = t.data<float>();
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-    const float u = static_cast<float>(s >> 40) * (1.0f / 16777216.0f);  // [0, 1)
-    p[i] = bf16_to_f32(f32_to_bf16((2.0f * u - 1.0f) * scale));
-  }
-}
-
+// Weights: uniform, bf16-exact (fill_uniform_bf16: a normal draw per element takes ~15 s for the
+// 600M weights of a qwen3 layer; this takes about one).
 ExpertWeights make_weights(int64_t experts, int64_t hidden, int64_t inter, std::mt19937& rng) {
-  ExpertWeights w;
-  w.num_local = experts;
-  w.hidden = hidden;
-  w.inter = inter;
-  w.gate_up = Tensor::zeros({experts, 2 * inter, hidden});
-  w.down = Tensor::zeros({experts, hidden, inter});
+  ExpertWeights w = zero_experts(experts, hidden, inter);
   fill_uniform_bf16(w.gate_up, rng(), 0.08f);
   fill_uniform_bf16(w.down, rng(), 0.08f);
   return w;
@@ -98,6 +75,18 @@ Layer make_layer(int64_t experts, int64_t hidden, int64_t inter, std::mt19937& r
   ExpertWeights w = make_weights(experts, hidden, inter, rng);
   const auto gate_up = bf16_bits(w.gate_up), down = bf16_bits(w.down);
   return Layer{std::move(w), DeviceBuffer<uint16_t>(gate_up), DeviceBuffer<uint16_t>(down)};
+}
+
+// The CPU reference: run_experts (naive) of x's rows, local_of mapping expert ids to the layer's
+// experts (-1: left out).
+Tensor cpu_experts(const ExpertWeights& w, const std::vector<int32_t>& local_of, const Tensor& x, const int32_t* ids,
+                   const float* weights, int64_t k) {
+  ThreadPool pool(0);
+  Arena arena("ws", 1 << 20);
+  ExpertPlan plan;
+  Tensor out = Tensor::zeros({x.dim(0), w.hidden});
+  run_experts(ExecMode::kNaive, pool, arena, w, local_of, x, ids, weights, k, out, plan);
+  return out;
 }
 
 struct GpuRun {
@@ -138,21 +127,12 @@ GpuRun run(const Layer& l, int64_t tokens, int64_t k, const std::vector<int32_t>
   for (int64_t t = 0; t < tokens; t += stride) rows.push_back(t);
   if (rows.back() != tokens - 1) rows.push_back(tokens - 1);
   const int64_t n = static_cast<int64_t>(rows.size());
-  Tensor xs = Tensor::zeros({n, hidden}), ref = Tensor::zeros({n, hidden});
-  std::vector<int32_t> sids;
-  std::vector<float> sw;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = rows[static_cast<size_t>(i)];
-    std::copy_n(x.begin() + t * hidden, hidden, xs.data<float>() + i * hidden);
-    sids.insert(sids.end(), ids.begin() + t * k, ids.begin() + (t + 1) * k);
-    sw.insert(sw.end(), weights.begin() + t * k, weights.begin() + (t + 1) * k);
-  }
-  ThreadPool pool(0);
-  Arena arena("ws", 1 << 20);
+  const TokenSample sample = sample_tokens(rows, hidden, k, ids, weights, [&](int64_t t, float* row) {
+    std::copy_n(x.begin() + t * hidden, hidden, row);
+  });
   std::vector<int32_t> all(static_cast<size_t>(l.w.num_local));
   for (size_t e = 0; e < all.size(); ++e) all[e] = skip && (*skip)[e] ? -1 : static_cast<int32_t>(e);
-  ExpertPlan plan;
-  run_experts(ExecMode::kNaive, pool, arena, l.w, all, xs, sids.data(), sw.data(), k, ref, plan);
+  const Tensor ref = cpu_experts(l.w, all, sample.x, sample.ids.data(), sample.weights.data(), k);
   for (float v : r.y)
     if (!std::isfinite(v)) return r;  // an unwritten (poisoned) or broken element: rel stays inf
   double num = 0, den = 0;
@@ -252,12 +232,9 @@ TEST(CudaMoe, FewerExpertsHeldThanTopK) {
     const auto x = gputest::random_bf16_exact(n, rng, 1.0f);
     std::vector<float> weights(ids.size());
     for (auto& v : weights) v = std::uniform_real_distribution<float>(0.1f, 1.0f)(rng);
-    Tensor xs = Tensor::zeros({tokens, hidden}), ref = Tensor::zeros({tokens, hidden});
+    Tensor xs = Tensor::zeros({tokens, hidden});
     std::copy(x.begin(), x.end(), xs.data<float>());
-    ThreadPool pool(0);
-    Arena arena("ws", 1 << 20);
-    ExpertPlan plan;
-    run_experts(ExecMode::kNaive, pool, arena, l.w, local_of, xs, ids.data(), weights.data(), k, ref, plan);
+    const Tensor ref = cpu_experts(l.w, local_of, xs, ids.data(), weights.data(), k);
     for (ExpertPath path : {ExpertPath::kGemv, ExpertPath::kGemm, ExpertPath::kWgmma}) {
       if (!cuda::experts_support(shape, path)) continue;
       if (path == ExpertPath::kWgmma && !device_is_sm90()) continue;
@@ -466,6 +443,21 @@ void expect_loads_match_gemm(const Layer& l, int64_t tokens, const std::vector<s
   }
 }
 
+// expect_loads_match_gemm at 1280 tokens of top-2 over 16 experts (hidden 1024, inter 512), where
+// the heuristics take 256-row tiles (and, where alt_tile is not 0, offer that one beside them),
+// on a layer drawn from layer_seed.
+void expect_tall_tile_loads(uint32_t layer_seed, int alt_tile, const std::vector<std::vector<int>>& loads,
+                            uint32_t seed) {
+  std::mt19937 rng(layer_seed);
+  const int64_t experts = 16, hidden = 1024, inter = 512, k = 2, tokens = 1280;
+  ASSERT_EQ(cuda::heuristics::wgmma_tile_m(tokens, k, experts), 256);
+  if (alt_tile != 0) {
+    ASSERT_EQ(cuda::heuristics::wgmma_alt_tile(tokens, k, experts), alt_tile);
+  }
+  const Layer l = make_layer(experts, hidden, inter, rng);
+  expect_loads_match_gemm(l, tokens, loads, seed);
+}
+
 // 256-row tiles (taken where experts average a little more than one 128-row tile): each consumer
 // warpgroup takes 128 rows as two 64-row sub-tiles and skips those past the expert's end. Loads
 // chosen to hit every case: an expert of two and a half tiles, tiles that end inside the first
@@ -475,15 +467,11 @@ void expect_loads_match_gemm(const Layer& l, int64_t tokens, const std::vector<s
 TEST(CudaMoe, WgmmaTallRowTiles) {
   REQUIRE_GPU();
   if (!device_is_sm90()) GTEST_SKIP() << "the wgmma path needs compute capability 9.0";
-  std::mt19937 rng(15);
-  const int64_t experts = 16, hidden = 1024, inter = 512, k = 2, tokens = 1280;
-  ASSERT_EQ(cuda::heuristics::wgmma_tile_m(tokens, k, experts), 256);
-  const Layer l = make_layer(experts, hidden, inter, rng);
   // Rows per expert (2560 slots, two_slot_ids).
-  const std::vector<std::vector<int>> loads = {
-      {520, 300, 257, 256, 193, 150, 129, 100, 65, 64, 13, 1, 0, 0, 512, 0},
-      {0, 0, 0, 1280, 0, 0, 0, 0, 0, 0, 0, 1280, 0, 0, 0, 0}};
-  expect_loads_match_gemm(l, tokens, loads, 7);
+  expect_tall_tile_loads(15, 0,
+                         {{520, 300, 257, 256, 193, 150, 129, 100, 65, 64, 13, 1, 0, 0, 512, 0},
+                          {0, 0, 0, 1280, 0, 0, 0, 0, 0, 0, 0, 1280, 0, 0, 0, 0}},
+                         7);
 }
 
 // Where the heuristics offer the plan a second row tile (128 beside 256 here), both choices give
@@ -493,15 +481,10 @@ TEST(CudaMoe, WgmmaTallRowTiles) {
 TEST(CudaMoe, WgmmaRowTileChosenPerForward) {
   REQUIRE_GPU();
   if (!device_is_sm90()) GTEST_SKIP() << "the wgmma path needs compute capability 9.0";
-  std::mt19937 rng(16);
-  const int64_t experts = 16, hidden = 1024, inter = 512, k = 2, tokens = 1280;
-  ASSERT_EQ(cuda::heuristics::wgmma_tile_m(tokens, k, experts), 256);
-  ASSERT_EQ(cuda::heuristics::wgmma_alt_tile(tokens, k, experts), 128);
-  const Layer l = make_layer(experts, hidden, inter, rng);
-  const std::vector<std::vector<int>> loads = {
-      std::vector<int>(16, 160),                                                  // 256-row tiles
-      {600, 600, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 92, 92}};  // 128-row tiles
-  expect_loads_match_gemm(l, tokens, loads, 9);
+  expect_tall_tile_loads(16, 128,
+                         {std::vector<int>(16, 160),                                             // 256-row tiles
+                          {600, 600, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 92, 92}},  // 128-row tiles
+                         9);
 }
 
 // Mixed row tiles, offered where experts average about 128 rows: the plan cuts 128-row tiles and,
@@ -590,6 +573,52 @@ TEST(CudaMoe, GemvDirectRoutingSharedExpertsAndNarrowWidths) {
   EXPECT_LE(run(w, 300, 2, route(64, 300, 2, 0.97, rng), ExpertPath::kGemv, rng).rel, kBound);
 }
 
+// A graph of one forward of `layer` (t tokens of e experts, hidden h, top-k; every weight `weight`;
+// on `path`) captured once, then replayed after a new routing of each skew is uploaded: the
+// replay must give the bits of a direct call (and, with `replay_twice`, a second replay the same),
+// every element written. `what` names the case in the messages.
+void check_replays(const cuda::DecodeExperts& layer, int64_t e, int64_t h, int64_t k, int64_t t, float weight,
+                   std::initializer_list<double> skews, ExpertPath path, bool replay_twice, std::mt19937& rng,
+                   const std::string& what) {
+  const auto x = gputest::random_bf16_exact(static_cast<size_t>(t * h), rng, 1.0f);
+  std::vector<float> w(static_cast<size_t>(t * k), weight);
+  DeviceBuffer<uint16_t> dx(gputest::to_bf16(x)), dy(static_cast<size_t>(t * h));
+  DeviceBuffer<int32_t> dids(route(e, t, k, 1.0, rng));
+  DeviceBuffer<float> dw(w);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  const auto forward = [&] { layer.forward(dx.get(), dids.get(), dw.get(), t, dy.get(), stream, path); };
+  const auto replay = [&] {
+    dy.poison();
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  };
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  forward();
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (double skew : skews) {
+    dids.upload(route(e, t, k, skew, rng));
+    ASSERT_NO_FATAL_FAILURE(replay());
+    const auto replayed = dy.download();
+    if (replay_twice) {
+      ASSERT_NO_FATAL_FAILURE(replay());
+      EXPECT_EQ(replayed, dy.download()) << what << ": two replays differ";
+    }
+    dy.poison();
+    forward();
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const auto direct = dy.download();
+    EXPECT_EQ(replayed, direct) << what << ", skew " << skew;
+    for (float v : gputest::from_bf16(direct)) ASSERT_TRUE(std::isfinite(v)) << "an element left unwritten";
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
 // The GEMV launches are chained (programmatic dependent launch) and, up to 24 slots, run without
 // the plan: a captured graph must still replay bit-identical to a direct call for new routings,
 // on both sides of the switch (M = 2: 16 slots; M = 8: 64 slots), and for one token, whose down
@@ -600,41 +629,9 @@ TEST(CudaMoe, GemvGraphReplayWithNewRoutingIsExact) {
   const int64_t e = 32, h = 1024, inter = 512, k = 8;
   const Layer l = make_layer(e, h, inter, rng);
   cuda::DecodeExperts layer(l.w, 8, k);
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-  for (int64_t t : {1, 2, 8}) {
-    const auto x = gputest::random_bf16_exact(static_cast<size_t>(t * h), rng, 1.0f);
-    std::vector<float> w(static_cast<size_t>(t * k), 0.25f);
-    DeviceBuffer<uint16_t> dx(gputest::to_bf16(x)), dy(static_cast<size_t>(t * h));
-    DeviceBuffer<int32_t> dids(route(e, t, k, 1.0, rng));
-    DeviceBuffer<float> dw(w);
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-    layer.forward(dx.get(), dids.get(), dw.get(), t, dy.get(), stream, ExpertPath::kGemv);
-    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-    for (double skew : {1.0, 0.7}) {
-      dids.upload(route(e, t, k, skew, rng));
-      dy.poison();
-      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      const auto replayed = dy.download();
-      dy.poison();
-      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      EXPECT_EQ(replayed, dy.download()) << "M=" << t << ": two replays differ";
-      dy.poison();
-      layer.forward(dx.get(), dids.get(), dw.get(), t, dy.get(), stream, ExpertPath::kGemv);
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      const auto direct = dy.download();
-      EXPECT_EQ(replayed, direct) << "M=" << t << ", skew " << skew;
-      for (float v : gputest::from_bf16(direct)) ASSERT_TRUE(std::isfinite(v)) << "an element left unwritten";
-    }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-  }
-  cudaStreamDestroy(stream);
+  for (int64_t t : {1, 2, 8})
+    ASSERT_NO_FATAL_FAILURE(
+        check_replays(layer, e, h, k, t, 0.25f, {1.0, 0.7}, ExpertPath::kGemv, true, rng, "M=" + std::to_string(t)));
 }
 
 // Counts and offsets live on the device only: a graph captured once replays right for other
@@ -643,35 +640,7 @@ void check_graph_replay(int64_t e, int64_t h, int64_t inter, int64_t k, int64_t 
   std::mt19937 rng(seed);
   const Layer l = make_layer(e, h, inter, rng);
   cuda::DecodeExperts layer(l.w, t, k);
-  const auto x = gputest::random_bf16_exact(static_cast<size_t>(t * h), rng, 1.0f);
-  std::vector<float> w(static_cast<size_t>(t * k), 0.5f);
-  DeviceBuffer<uint16_t> dx(gputest::to_bf16(x)), dy(static_cast<size_t>(t * h));
-  DeviceBuffer<int32_t> dids(route(e, t, k, 1.0, rng));
-  DeviceBuffer<float> dw(w);
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  layer.forward(dx.get(), dids.get(), dw.get(), t, dy.get(), stream);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (double skew : {1.0, 0.8, 0.3}) {
-    dids.upload(route(e, t, k, skew, rng));
-    dy.poison();
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    const auto replayed = dy.download();
-    dy.poison();
-    layer.forward(dx.get(), dids.get(), dw.get(), t, dy.get(), stream);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    const auto direct = dy.download();
-    EXPECT_EQ(replayed, direct) << "E=" << e << ", skew " << skew;
-    for (float v : gputest::from_bf16(direct)) ASSERT_TRUE(std::isfinite(v)) << "an element left unwritten";
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+  check_replays(layer, e, h, k, t, 0.5f, {1.0, 0.8, 0.3}, ExpertPath::kAuto, false, rng, "E=" + std::to_string(e));
 }
 
 TEST(CudaMoe, GraphReplayWithNewRoutingIsExactAndDeterministic) {
@@ -734,14 +703,11 @@ TEST(CudaMoe, FoldedNextNormMatchesCpuOnEveryPath) {
     for (auto& v : residual) v = std::normal_distribution<float>(0.0f, 1.0f)(rng);
     for (auto& v : norm_w) v = std::uniform_real_distribution<float>(0.5f, 1.5f)(rng);
 
-    Tensor xs = Tensor::zeros({tokens, hidden}), y = Tensor::zeros({tokens, hidden});
+    Tensor xs = Tensor::zeros({tokens, hidden});
     std::copy(x.begin(), x.end(), xs.data<float>());
-    ThreadPool pool(0);
-    Arena arena("ws", 1 << 20);
     std::vector<int32_t> all(static_cast<size_t>(experts));
     for (size_t e = 0; e < all.size(); ++e) all[e] = static_cast<int32_t>(e);
-    ExpertPlan plan;
-    run_experts(ExecMode::kNaive, pool, arena, l.w, all, xs, ids.data(), weights.data(), k, y, plan);
+    const Tensor y = cpu_experts(l.w, all, xs, ids.data(), weights.data(), k);
     std::vector<float> want_x(n), want_h(n);
     for (int64_t t = 0; t < tokens; ++t) {
       double ss = 0;

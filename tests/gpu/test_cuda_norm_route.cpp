@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/cuda/ops_launch.h"
+#include "backend/cuda/router_params.h"
 #include "gpu_test_util.h"
 #include "moe/errors.h"
 #include "moe/router.h"
@@ -80,16 +81,10 @@ void run_case(const Case& c, uint32_t seed) {
   q.logits = dlogits.get();
   q.counter = counter.get();
   q.hidden = c.hidden;
-  k::RouterParams p;
-  p.experts = c.experts;
-  p.top_k = c.top_k;
-  p.sigmoid = c.sigmoid;
-  p.group_ranking = c.groups;
-  p.n_group = c.n_group;
-  p.topk_group = c.topk_group;
-  p.bias = c.sigmoid ? dbias.get() : nullptr;
-  p.renormalize = 1;
-  p.scaling = 2.5f;
+  // Sigmoid routers with their correction bias, every router renormalised and scaled by 2.5.
+  const RouterConfig rc = gputest::router_config(c.experts, c.top_k, c.sigmoid, c.groups, c.n_group, c.topk_group,
+                                                 c.sigmoid, true, 2.5f);
+  const k::RouterParams p = k::router_params(rc, dbias.get());
 
   for (int launch = 0; launch < 3; ++launch) {
     // Each launch starts from the same residual; outputs poisoned.
@@ -124,16 +119,6 @@ void run_case(const Case& c, uint32_t seed) {
     EXPECT_EQ(bad, 0) << "tokens " << c.tokens << ", hidden " << c.hidden << ", experts " << c.experts;
 
     // The choice: moe::route on the kernel's own logits.
-    RouterConfig rc;
-    rc.num_experts = c.experts;
-    rc.top_k = c.top_k;
-    rc.scoring = c.sigmoid ? RouterScoring::kSigmoid : RouterScoring::kSoftmax;
-    rc.groups = c.groups == 0 ? GroupRanking::kNone : (c.groups == 1 ? GroupRanking::kMax : GroupRanking::kTop2Sum);
-    rc.n_group = c.n_group;
-    rc.topk_group = c.topk_group;
-    rc.correction_bias = c.sigmoid;
-    rc.renormalize = true;
-    rc.scaling = 2.5f;
     validate_router(rc, "test");
     std::vector<int32_t> want_ids(static_cast<size_t>(c.tokens) * c.top_k);
     std::vector<float> want_w(want_ids.size());

@@ -70,16 +70,8 @@ void run_route_case(const RouteCase& c, uint32_t seed) {
   for (auto& b : bias)  // some biases repeated so that biased choices tie too
     b = rng() % 2 ? 0.25f : std::uniform_real_distribution<float>(-0.5f, 0.5f)(rng);
 
-  RouterConfig rc;
-  rc.num_experts = c.experts;
-  rc.top_k = c.top_k;
-  rc.scoring = c.sigmoid ? RouterScoring::kSigmoid : RouterScoring::kSoftmax;
-  rc.groups = c.groups == 0 ? GroupRanking::kNone : (c.groups == 1 ? GroupRanking::kMax : GroupRanking::kTop2Sum);
-  rc.n_group = c.n_group;
-  rc.topk_group = c.topk_group;
-  rc.correction_bias = c.bias;
-  rc.renormalize = c.renorm;
-  rc.scaling = c.scaling;
+  const RouterConfig rc = gputest::router_config(c.experts, c.top_k, c.sigmoid, c.groups, c.n_group, c.topk_group,
+                                                 c.bias, c.renorm, c.scaling);
   validate_router(rc, "test");
   std::vector<int32_t> want_ids(static_cast<size_t>(tokens) * c.top_k);
   std::vector<float> want_w(want_ids.size());
@@ -89,16 +81,7 @@ void run_route_case(const RouteCase& c, uint32_t seed) {
   DeviceBuffer<int32_t> di(want_ids.size());
   dw.poison();
   di.poison();
-  k::RouterParams p;
-  p.experts = c.experts;
-  p.top_k = c.top_k;
-  p.sigmoid = c.sigmoid;
-  p.group_ranking = c.groups;
-  p.n_group = c.n_group;
-  p.topk_group = c.topk_group;
-  p.bias = c.bias ? db.get() : nullptr;
-  p.renormalize = c.renorm;
-  p.scaling = c.scaling;
+  k::RouterParams p = k::router_params(rc, db.get());
   // Expert parallelism: the ids also as indices among the middle third of the experts (a rank
   // holding [first, first + count)), -1 outside.
   DeviceBuffer<int32_t> dlocal(want_ids.size());
@@ -210,14 +193,8 @@ TEST(CudaRoute, HiddenFoldedRouterMatchesCpuOnItsLogits) {
     dl.poison();
     dw.poison();
     di.poison();
-    RouterConfig rc;
-    rc.num_experts = c.experts;
-    rc.top_k = c.top_k;
-    rc.scoring = c.sigmoid ? RouterScoring::kSigmoid : RouterScoring::kSoftmax;
-    rc.groups = c.groups == 0 ? GroupRanking::kNone : GroupRanking::kTop2Sum;
-    rc.n_group = c.n_group;
-    rc.topk_group = c.topk_group;
-    rc.renormalize = c.renorm;
+    const RouterConfig rc = gputest::router_config(c.experts, c.top_k, c.sigmoid, c.groups, c.n_group,
+                                                   c.topk_group, false, c.renorm, 1.0f);
     const k::RouterParams p = k::router_params(rc, nullptr);
     ASSERT_TRUE(k::route_hidden_supported(c.experts, c.hidden));
     ASSERT_EQ(k::route_hidden(dx.get(), dr.get(), c.hidden, p, tokens, di.get(), dw.get(), dl.get(), nullptr),
@@ -566,22 +543,15 @@ float graph_us(Launch&& launch, int reps = 100) {
   cudaGraphInstantiate(&e, g, 0);
   cudaGraphLaunch(e, s);
   cudaStreamSynchronize(s);
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
+  gputest::EventTimer timer;
   const int replays = 5;
-  cudaEventRecord(a, s);
+  timer.start(s);
   for (int i = 0; i < replays; ++i) cudaGraphLaunch(e, s);
-  cudaEventRecord(b, s);
-  cudaEventSynchronize(b);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, a, b);
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
+  timer.stop(s);
   cudaGraphExecDestroy(e);
   cudaGraphDestroy(g);
   cudaStreamDestroy(s);
-  return ms * 1000.0f / static_cast<float>(replays * reps);
+  return timer.ms() * 1000.0f / static_cast<float>(replays * reps);
 }
 
 // Timings, not checks: run with MOE_GPU_PERF=1 to print them.

@@ -38,20 +38,40 @@ std::vector<uint16_t> rank_order_sum(const std::vector<std::vector<float>>& part
   return out;
 }
 
+// The all-reduce over GPUs 0..n-1 for up to `elements` values and, once make(r) has run (on any
+// thread), rank r's non-blocking stream and buffer of `elements` bf16 values on GPU r. The streams
+// go with it.
+struct Ranks {
+  cuda::PeerAllReduce ar;
+  int64_t elements;
+  std::vector<cudaStream_t> streams;
+  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> bufs;
+
+  Ranks(int n, int64_t elements)
+      : ar(first_devices(n), elements), elements(elements), streams(static_cast<size_t>(n)), bufs(static_cast<size_t>(n)) {}
+  ~Ranks() {
+    for (size_t r = 0; r < streams.size(); ++r)
+      if (streams[r]) {
+        cudaSetDevice(static_cast<int>(r));
+        cudaStreamDestroy(streams[r]);
+      }
+  }
+  void make(int r) {
+    const size_t i = static_cast<size_t>(r);
+    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking), cudaSuccess);
+    bufs[i] = std::make_unique<DeviceBuffer<uint16_t>>(static_cast<size_t>(elements));
+  }
+};
+
 class PeerAllReduceTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(PeerAllReduceTest, EveryRankGetsTheRankOrderSumForEverySize) {
   const int n = GetParam();
   REQUIRE_PEER_GPUS(n);
-  const int64_t max_elements = 2048 * 96;
-  cuda::PeerAllReduce ar(first_devices(n), max_elements);
-  std::vector<cudaStream_t> streams(static_cast<size_t>(n));
-  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> bufs(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) {
-    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
-    ASSERT_EQ(cudaStreamCreateWithFlags(&streams[static_cast<size_t>(r)], cudaStreamNonBlocking), cudaSuccess);
-    bufs[static_cast<size_t>(r)] = std::make_unique<DeviceBuffer<uint16_t>>(static_cast<size_t>(max_elements));
-  }
+  Ranks ranks(n, 2048 * 96);
+  auto& [ar, max_elements, streams, bufs] = ranks;
+  for (int r = 0; r < n; ++r) ASSERT_NO_FATAL_FAILURE(ranks.make(r));
   RankThreads threads(n);
   std::mt19937 rng(11);
   // Shapes from one 8-element row (one block) to the maximum (every block, several rows each),
@@ -79,10 +99,6 @@ TEST_P(PeerAllReduceTest, EveryRankGetsTheRankOrderSumForEverySize) {
     for (int r = 0; r < n; ++r)
       ASSERT_EQ(got[static_cast<size_t>(r)], expected) << n << " GPUs, " << rows << " x " << hidden << ", rank " << r;
   }
-  for (int r = 0; r < n; ++r) {
-    cudaSetDevice(r);
-    cudaStreamDestroy(streams[static_cast<size_t>(r)]);
-  }
 }
 
 // Captured once per rank, replayed with new partials each time: the graph's kernels read the
@@ -90,17 +106,13 @@ TEST_P(PeerAllReduceTest, EveryRankGetsTheRankOrderSumForEverySize) {
 TEST_P(PeerAllReduceTest, GraphReplaysSumNewData) {
   const int n = GetParam();
   REQUIRE_PEER_GPUS(n);
-  const int64_t elements = 2048 * 8;
-  cuda::PeerAllReduce ar(first_devices(n), elements);
-  std::vector<cudaStream_t> streams(static_cast<size_t>(n));
+  Ranks ranks(n, 2048 * 8);
+  auto& [ar, elements, streams, bufs] = ranks;
   std::vector<cudaGraphExec_t> execs(static_cast<size_t>(n));
-  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> bufs(static_cast<size_t>(n));
   RankThreads threads(n);
   threads.run([&](int r) {
     const size_t i = static_cast<size_t>(r);
-    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
-    ASSERT_EQ(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking), cudaSuccess);
-    bufs[i] = std::make_unique<DeviceBuffer<uint16_t>>(static_cast<size_t>(elements));
+    ASSERT_NO_FATAL_FAILURE(ranks.make(r));
     cudaGraph_t graph = nullptr;
     ASSERT_EQ(cudaStreamBeginCapture(streams[i], cudaStreamCaptureModeThreadLocal), cudaSuccess);
     ar.run(r, bufs[i]->get(), 8, 2048, streams[i]);
@@ -134,7 +146,6 @@ TEST_P(PeerAllReduceTest, GraphReplaysSumNewData) {
   for (int r = 0; r < n; ++r) {
     cudaSetDevice(r);
     cudaGraphExecDestroy(execs[static_cast<size_t>(r)]);
-    cudaStreamDestroy(streams[static_cast<size_t>(r)]);
   }
 }
 

@@ -39,11 +39,7 @@ struct Layer {
   Layer(int64_t e, int64_t h, int64_t i, uint32_t seed) : experts(e), hidden(h), inter(i) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> d(0.0f, 0.2f);
-    w.num_local = e;
-    w.hidden = h;
-    w.inter = i;
-    w.gate_up = Tensor::zeros({e, 2 * i, h});
-    w.down = Tensor::zeros({e, h, i});
+    w = zero_experts(e, h, i);
     for (int64_t j = 0; j < w.gate_up.numel(); ++j) w.gate_up.data<float>()[j] = d(rng);
     for (int64_t j = 0; j < w.down.numel(); ++j) w.down.data<float>()[j] = d(rng);
   }

@@ -84,51 +84,42 @@ void expect_refused(const std::function<void()>& fn, const fs::path& path, Kind 
 
 constexpr Kind kAllKinds[] = {Kind::kFifo, Kind::kDirectory, Kind::kDevice, Kind::kSocket};
 
-TEST(RegularFile, SafetensorsFileRefusesOtherFiles) {
+// For each kind: a fresh directory whose `name` is a file of that kind, and `open(dir, path)`
+// must refuse it (expect_refused).
+void expect_each_kind_refused(const char* name, const std::function<void(const TempDir&, const fs::path&)>& open) {
   for (Kind kind : kAllKinds) {
     TempDir dir;
-    const fs::path path = dir.path() / "model.safetensors";
+    const fs::path path = dir.path() / name;
     Hostile h(path, kind);
-    expect_refused([&] { SafetensorsFile f(path.string()); }, path, kind);
+    expect_refused([&] { open(dir, path); }, path, kind);
   }
 }
 
+TEST(RegularFile, SafetensorsFileRefusesOtherFiles) {
+  expect_each_kind_refused("model.safetensors",
+                           [](const TempDir&, const fs::path& path) { SafetensorsFile f(path.string()); });
+}
+
 TEST(RegularFile, CheckpointRefusesOtherWeightsIndexAndShards) {
-  for (Kind kind : kAllKinds) {
-    {  // model.safetensors
-      TempDir dir;
-      const fs::path path = dir.path() / "model.safetensors";
-      Hostile h(path, kind);
-      expect_refused([&] { Checkpoint c(dir.str()); }, path, kind);
-    }
-    {  // model.safetensors.index.json
-      TempDir dir;
-      const fs::path path = dir.path() / "model.safetensors.index.json";
-      Hostile h(path, kind);
-      expect_refused([&] { Checkpoint c(dir.str()); }, path, kind);
-    }
-    {  // a shard named by a valid index
-      TempDir dir;
-      test::write_file(dir.path() / "model.safetensors.index.json",
-                       R"({"weight_map": {"a": "model-00001-of-00002.safetensors",
+  const auto open = [](const TempDir& dir, const fs::path&) { Checkpoint c(dir.str()); };
+  expect_each_kind_refused("model.safetensors", open);
+  expect_each_kind_refused("model.safetensors.index.json", open);
+  for (Kind kind : kAllKinds) {  // a shard named by a valid index
+    TempDir dir;
+    test::write_file(dir.path() / "model.safetensors.index.json",
+                     R"({"weight_map": {"a": "model-00001-of-00002.safetensors",
                                           "b": "model-00002-of-00002.safetensors"}})");
-      test::write_file(dir.path() / "model-00001-of-00002.safetensors",
-                       test::make_f32_safetensors({{"a", {2}, {}}}));
-      const fs::path path = dir.path() / "model-00002-of-00002.safetensors";
-      Hostile h(path, kind);
-      expect_refused([&] { Checkpoint c(dir.str()); }, path, kind);
-    }
+    test::write_file(dir.path() / "model-00001-of-00002.safetensors", test::make_f32_safetensors({{"a", {2}, {}}}));
+    const fs::path path = dir.path() / "model-00002-of-00002.safetensors";
+    Hostile h(path, kind);
+    expect_refused([&] { Checkpoint c(dir.str()); }, path, kind);
   }
 }
 
 TEST(RegularFile, ConfigRefusesOtherFiles) {
-  for (Kind kind : kAllKinds) {
-    TempDir dir;
-    const fs::path path = dir.path() / "config.json";
-    Hostile h(path, kind);
-    expect_refused([&] { HfConfig::from_file(path.string()); }, path, kind);
-    expect_refused([&] { load_model_config(dir.str()); }, path, kind);
-  }
+  expect_each_kind_refused("config.json",
+                           [](const TempDir&, const fs::path& path) { HfConfig::from_file(path.string()); });
+  expect_each_kind_refused("config.json", [](const TempDir& dir, const fs::path&) { load_model_config(dir.str()); });
 }
 
 TEST(RegularFile, GenerationConfigRefusesOtherFiles) {
@@ -140,12 +131,8 @@ TEST(RegularFile, GenerationConfigRefusesOtherFiles) {
 }
 
 TEST(RegularFile, TokenizerRefusesOtherFiles) {
-  for (Kind kind : kAllKinds) {
-    TempDir dir;
-    const fs::path path = dir.path() / "tokenizer.json";
-    Hostile h(path, kind);
-    expect_refused([&] { Tokenizer::from_file(path.string()); }, path, kind);
-  }
+  expect_each_kind_refused("tokenizer.json",
+                           [](const TempDir&, const fs::path& path) { Tokenizer::from_file(path.string()); });
   expect_refused([] { Tokenizer::from_file("/dev/null"); }, "/dev/null", Kind::kDevice);
 }
 

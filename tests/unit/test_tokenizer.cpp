@@ -323,43 +323,32 @@ TEST(TokenizerErrors, MalformedJsonIsFormatError) {
             moe::ErrorKind::kFormat);
 }
 
+namespace {
+
+// The kind of the error that loading the tokenizer.json `text` gives, and its message.
+moe::ErrorKind json_error(const std::string& text, const std::string& origin, std::string* msg) {
+  return error_kind_of([&] { moe::Tokenizer::from_json_text(text, origin); }, msg);
+}
+
+}  // namespace
+
 TEST(TokenizerErrors, UnsupportedTypesAreNamed) {
   std::string msg;
-  EXPECT_EQ(error_kind_of(
-                [] {
-                  moe::Tokenizer::from_json_text(
-                      R"({"model": {"type": "WordPiece", "vocab": {"a": 0}}})", "wp.json");
-                },
-                &msg),
+  EXPECT_EQ(json_error(R"({"model": {"type": "WordPiece", "vocab": {"a": 0}}})", "wp.json", &msg),
             moe::ErrorKind::kUnsupported);
   EXPECT_NE(msg.find("WordPiece"), std::string::npos) << msg;
-  EXPECT_EQ(error_kind_of(
-                [] {
-                  moe::Tokenizer::from_json_text(
-                      R"({"model": {"type": "Unigram", "vocab": [["a", 0.0]]}})", "u.json");
-                },
-                &msg),
+  EXPECT_EQ(json_error(R"({"model": {"type": "Unigram", "vocab": [["a", 0.0]]}})", "u.json", &msg),
             moe::ErrorKind::kUnsupported);
   EXPECT_NE(msg.find("Unigram"), std::string::npos) << msg;
-  EXPECT_EQ(error_kind_of(
-                [] {
-                  moe::Tokenizer::from_json_text(
-                      R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+  EXPECT_EQ(json_error(R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
                           "pre_tokenizer": {"type": "Metaspace"}, "decoder": {"type": "ByteLevel"}})",
-                      "m.json");
-                },
-                &msg),
+                       "m.json", &msg),
             moe::ErrorKind::kUnsupported);
   EXPECT_NE(msg.find("Metaspace"), std::string::npos) << msg;
-  EXPECT_EQ(error_kind_of(
-                [] {
-                  moe::Tokenizer::from_json_text(
-                      R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+  EXPECT_EQ(json_error(R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
                           "normalizer": {"type": "Lowercase"},
                           "pre_tokenizer": {"type": "ByteLevel"}, "decoder": {"type": "ByteLevel"}})",
-                      "n.json");
-                },
-                &msg),
+                       "n.json", &msg),
             moe::ErrorKind::kUnsupported);
   EXPECT_NE(msg.find("Lowercase"), std::string::npos) << msg;
 }

@@ -21,8 +21,14 @@ void rms_norm(ThreadPool& pool, const float* x, const float* weight, float* out,
       64);
 }
 
-void rope_half(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t rot_dim,
-               const int32_t* positions, const float* inv_freq, float cos_sin_scale) {
+namespace {
+
+// Rotates pairs of each head's first rot_dim values by position * inv_freq[i] (cos and sin scaled
+// by cos_sin_scale); pair i is the elements first(i) and second(i) of the head.
+template <typename First, typename Second>
+void rope_pairs(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t rot_dim,
+                const int32_t* positions, const float* inv_freq, float cos_sin_scale, First first,
+                Second second) {
   int64_t half = rot_dim / 2;
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t i = 0; i < half; ++i) {
@@ -30,29 +36,27 @@ void rope_half(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_
       float c = std::cos(angle) * cos_sin_scale, s = std::sin(angle) * cos_sin_scale;
       for (int64_t h = 0; h < heads; ++h) {
         float* p = x + (t * heads + h) * head_dim;
-        float a = p[i], b = p[i + half];
-        p[i] = a * c - b * s;
-        p[i + half] = b * c + a * s;
+        float a = p[first(i)], b = p[second(i)];
+        p[first(i)] = a * c - b * s;
+        p[second(i)] = b * c + a * s;
       }
     }
   }
 }
 
+}  // namespace
+
+void rope_half(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t rot_dim,
+               const int32_t* positions, const float* inv_freq, float cos_sin_scale) {
+  const int64_t half = rot_dim / 2;
+  rope_pairs(x, tokens, heads, head_dim, rot_dim, positions, inv_freq, cos_sin_scale,
+             [](int64_t i) { return i; }, [half](int64_t i) { return i + half; });
+}
+
 void rope_interleaved(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t rot_dim,
                       const int32_t* positions, const float* inv_freq, float cos_sin_scale) {
-  int64_t half = rot_dim / 2;
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t i = 0; i < half; ++i) {
-      float angle = static_cast<float>(positions[t]) * inv_freq[i];
-      float c = std::cos(angle) * cos_sin_scale, s = std::sin(angle) * cos_sin_scale;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* p = x + (t * heads + h) * head_dim;
-        float a = p[2 * i], b = p[2 * i + 1];
-        p[2 * i] = a * c - b * s;
-        p[2 * i + 1] = b * c + a * s;
-      }
-    }
-  }
+  rope_pairs(x, tokens, heads, head_dim, rot_dim, positions, inv_freq, cos_sin_scale,
+             [](int64_t i) { return 2 * i; }, [](int64_t i) { return 2 * i + 1; });
 }
 
 void silu_mul(const float* gate_up, float* out, int64_t tokens, int64_t inter) {

@@ -383,13 +383,10 @@ DecodePlan plan_decode(int tokens, int max_context, int split_keys) {
 
 cudaError_t run_decode(const PagedAttentionParams& p, cudaStream_t stream) {
   const DecodePlan plan = plan_decode(p.tokens, p.max_context, p.split_keys);
-  float* part_o = nullptr;
-  float* part_ml = nullptr;
-  if (plan.splits > 1) {
-    if (p.workspace == nullptr) return cudaErrorInvalidValue;
-    part_o = static_cast<float*>(p.workspace);
-    part_ml = part_o + (size_t)p.tokens * p.q_heads * plan.splits * p.head_dim;
-  }
+  float *part_o, *part_ml;
+  const cudaError_t ws = split_partials(p.workspace, (size_t)p.tokens * p.q_heads, plan.splits, p.head_dim,
+                                        &part_o, &part_ml);
+  if (ws != cudaSuccess) return ws;
   // Heads per block: the largest divisor of the kv group that fits the 16 rows of the tile.
   const int group = p.q_heads / p.kv_heads;
   int hg = 16 < group ? 16 : group;

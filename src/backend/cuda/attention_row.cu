@@ -91,15 +91,21 @@ __global__ void __launch_bounds__(kThreads) row_attention_kernel(const PagedAtte
   }
   const float scale = p.scale * kLog2e;  // scores in the log2 domain, exp2 below
 
-  for (int t0 = begin; t0 < end; t0 += T) {
-    uint4 kv[KPG];
+  // This thread's 16 bytes of each of its keys in the tile at t0 (zeros past the end), from the
+  // K or the V cache.
+  const auto load_rows = [&](const uint16_t* cache, int t0, uint4 (&kv)[KPG]) {
 #pragma unroll
     for (int k = 0; k < KPG; ++k) {
       const int j = t0 + g + k * NG;
       kv[k] = make_uint4(0, 0, 0, 0);
       if (active && j < end)
-        kv[k] = __ldg(reinterpret_cast<const uint4*>(p.k_cache + cache_offset(p, seq, j, kvh, block_shift) + d0));
+        kv[k] = __ldg(reinterpret_cast<const uint4*>(cache + cache_offset(p, seq, j, kvh, block_shift) + d0));
     }
+  };
+
+  for (int t0 = begin; t0 < end; t0 += T) {
+    uint4 kv[KPG];
+    load_rows(p.k_cache, t0, kv);
 #pragma unroll
     for (int k = 0; k < KPG; ++k) {
       float kf[8];
@@ -138,13 +144,7 @@ __global__ void __launch_bounds__(kThreads) row_attention_kernel(const PagedAtte
       }
     }
     __syncthreads();
-#pragma unroll
-    for (int k = 0; k < KPG; ++k) {
-      const int j = t0 + g + k * NG;
-      kv[k] = make_uint4(0, 0, 0, 0);
-      if (active && j < end)
-        kv[k] = __ldg(reinterpret_cast<const uint4*>(p.v_cache + cache_offset(p, seq, j, kvh, block_shift) + d0));
-    }
+    load_rows(p.v_cache, t0, kv);
 #pragma unroll
     for (int h = 0; h < HG; ++h) {
       const float a = s_alpha[h];
@@ -254,13 +254,10 @@ cudaError_t run_row(const PagedAttentionParams& p, cudaStream_t stream) {
   int chunk = (p.max_context + splits - 1) / splits;
   chunk = chunk < 64 ? 64 : (chunk + 63) / 64 * 64;  // whole tiles of keys per split
   const int splits_used = (p.max_context + chunk - 1) / chunk;  // <= splits: the workspace fits
-  float* part_o = nullptr;
-  float* part_ml = nullptr;
-  if (splits_used > 1) {
-    if (p.workspace == nullptr) return cudaErrorInvalidValue;
-    part_o = static_cast<float*>(p.workspace);
-    part_ml = part_o + (size_t)p.tokens * p.q_heads * splits_used * p.head_dim;
-  }
+  float *part_o, *part_ml;
+  const cudaError_t ws = split_partials(p.workspace, (size_t)p.tokens * p.q_heads, splits_used, p.head_dim,
+                                        &part_o, &part_ml);
+  if (ws != cudaSuccess) return ws;
   // Heads of one kv group per block: the largest power of two, at most 8, dividing the group.
   const int group = p.q_heads / p.kv_heads;
   const int hg = group % 8 == 0 ? 8 : group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;

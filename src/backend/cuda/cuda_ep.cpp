@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device_arena.h"
 #include "backend/cuda/ep_exchange_launch.h"
 #include "backend/cuda/peer_access.h"
 #include "backend/cuda_moe.h"
@@ -16,9 +17,6 @@ namespace moe::cuda {
 namespace k = kernels;
 
 namespace {
-
-constexpr size_t kAlign = 256;
-size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 // Carves one device allocation into aligned pieces.
 class Carver {

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device_arena.h"
 #include "backend/cuda/moe_decode_launch.h"
 #include "backend/cuda/moe_heuristics.h"
 #include "backend/cuda/moe_wgmma_launch.h"
@@ -13,10 +14,6 @@ namespace moe::cuda {
 namespace h = heuristics;
 
 namespace {
-
-constexpr size_t kAlign = 256;
-
-size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 // The workspace, carved in one order by both workspace_bytes() and forward().
 struct Layout {

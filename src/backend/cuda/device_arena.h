@@ -12,6 +12,10 @@
 
 namespace moe::cuda {
 
+// The alignment of every piece carved out of one device allocation (cudaMalloc's own).
+constexpr size_t kDeviceAlign = 256;
+constexpr size_t align_up(size_t n) { return (n + kDeviceAlign - 1) / kDeviceAlign * kDeviceAlign; }
+
 class DeviceArena {
  public:
   DeviceArena() = default;

@@ -1,4 +1,5 @@
 #include "backend/cuda/gemv_launch.h"
+#include "backend/cuda/bf16x8.cuh"
 #include "backend/cuda/pdl.h"
 #include "backend/cuda/stream_load.cuh"
 
@@ -14,16 +15,6 @@ constexpr int kUnroll = 4;  // 16-byte loads per row a lane issues before using 
 // 9.0 µs, at M = 8 15.5 -> 13.2 µs; a 32768 x 2048 matrix at M = 8 65.8 -> 59.3 µs). Unsplit,
 // both take 16 rows per block.
 constexpr int kRowsUnsplit = 16;
-
-__device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = __bfloat1622float2(h[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
 
 // A block of kWarps warps; a group of KS warps owns kRowsPerGroup weight rows and splits k among
 // its warps (KS > 1 when there are too few rows to give every
@@ -71,11 +62,11 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const uint4* __restri
         if (c >= k8) break;
         float wf[kRowsPerGroup][8];
 #pragma unroll
-        for (int r = 0; r < kRowsPerGroup; ++r) unpack(wv[r][u], wf[r]);
+        for (int r = 0; r < kRowsPerGroup; ++r) unpack_bf16x8(wv[r][u], wf[r]);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
           float xf[8];
-          unpack(__ldg(x + static_cast<size_t>(m) * bt.ldx8 + c), xf);
+          unpack_bf16x8(__ldg(x + static_cast<size_t>(m) * bt.ldx8 + c), xf);
 #pragma unroll
           for (int r = 0; r < kRowsPerGroup; ++r)
 #pragma unroll

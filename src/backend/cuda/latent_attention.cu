@@ -448,13 +448,10 @@ cudaError_t latent_attention(const LatentAttentionParams& p, cudaStream_t stream
   int chunk = p.max_context > 0 ? (p.max_context + splits - 1) / splits : kMinChunk;
   chunk = (chunk + kMinChunk - 1) / kMinChunk * kMinChunk;  // whole key tiles per split
   const int splits_used = p.max_context > 0 ? (p.max_context + chunk - 1) / chunk : 1;  // <= splits
-  float* part_o = nullptr;
-  float* part_ml = nullptr;
-  if (splits_used > 1) {
-    if (p.workspace == nullptr) return cudaErrorInvalidValue;
-    part_o = static_cast<float*>(p.workspace);
-    part_ml = part_o + (size_t)p.tokens * p.heads * splits_used * p.lora;
-  }
+  float *part_o, *part_ml;
+  const cudaError_t ws = split_partials(p.workspace, (size_t)p.tokens * p.heads, splits_used, p.lora,
+                                        &part_o, &part_ml);
+  if (ws != cudaSuccess) return ws;
   const int D = p.lora + p.rope;
   const int ks = (D + 63) / 64, vs = (p.lora + 63) / 64;
   cudaError_t err;

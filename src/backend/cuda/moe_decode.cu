@@ -3,8 +3,8 @@
 // weight row is read once, with 16-byte streaming loads, and applied to all of that expert's
 // tokens.
 //
-// Two forms, switched at heuristics::kGemvDirectMaxSlots routed slots (lab/cuda/NOTES.md, "GEMV
-// v4"):
+// Two forms, switched at heuristics::kGemvDirectMaxSlots routed slots
+// (docs/perf/decode-direct-gemv.md):
 //  - direct (decode, M of 1 to 3): no plan kernel; the warps read the ids themselves (one slot
 //    per lane). Persistent grids (a warp loops over weight rows: no block churn, no tail of short
 //    blocks) chained by programmatic dependent launch, so each grid is resident before its
@@ -15,13 +15,14 @@
 //  - grouped (v2, up to the switch to the GEMM path): the plan, then one short block per touched
 //    expert and 4 rows; act by position in the plan's order, partial sums by slot. Chained by
 //    programmatic dependent launch too, every read after the wait (reading the plan before it,
-//    through L2, cost more than the launch gap it hid: lab/cuda/NOTES.md).
+//    through L2, cost more than the launch gap it hid: docs/perf/strong-loads.md).
 // Nothing allocated, the counts only on the device, every output summed in a fixed order.
 // Only CUDA headers here: the host side (checks, errors, uploads) is in cuda_moe.cpp.
 #include <cuda_bf16.h>
 
 #include <type_traits>
 
+#include "backend/cuda/bf16x8.cuh"
 #include "backend/cuda/moe_decode_launch.h"
 #include "backend/cuda/moe_heuristics.h"
 #include "backend/cuda/pdl.h"
@@ -40,23 +41,44 @@ static_assert(heuristics::kGemvDirectMaxSlots <= kDirectMaxSlots, "one routed sl
 constexpr int kGroupedWarps = 4;      // v2's sweep: 4 warps per block, 3 blocks per SM
 constexpr int kGroupedMinBlocks = 3;
 
-__device__ __forceinline__ float dot8(uint4 w, uint4 x) {
-  const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&w);
-  const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&x);
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 fa = __bfloat1622float2(a[i]), fb = __bfloat1622float2(b[i]);
-    s = fmaf(fa.x, fb.x, s);
-    s = fmaf(fa.y, fb.y, s);
-  }
-  return s;
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+
+// A gate row and its up row, C 16-byte chunks per lane (lane-strided) through `load`, every load
+// issued before the first use: indices clamped into the row so that each issues unconditionally,
+// chunks past the row's end zeroed after loading.
+template <int C, typename Load>
+__device__ __forceinline__ void load_gate_up_rows(const uint4* g, const uint4* u, int chunks, int lane, Load&& load,
+                                                  uint4 (&gr)[C], uint4 (&ur)[C]) {
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int idx = min(c * 32 + lane, chunks - 1);
+    gr[c] = load(g + idx);
+    ur[c] = load(u + idx);
+  }
+#pragma unroll
+  for (int c = 0; c < C; ++c)
+    if (c * 32 + lane >= chunks) gr[c] = ur[c] = make_uint4(0, 0, 0, 0);
+}
+
+// One act value from the loaded gate and up rows and the activation row xr: SiLU(gate . x) *
+// (up . x), handed to store(value) on lane 0.
+template <int C, typename Store>
+__device__ __forceinline__ void gate_up_act(const uint4 (&gr)[C], const uint4 (&ur)[C], const uint4* xr, int chunks,
+                                            int lane, Store&& store) {
+  float gs = 0.f, us = 0.f;
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const uint4 xv = __ldg(xr + min(c * 32 + lane, chunks - 1));
+    gs += dot_bf16x8(gr[c], xv);
+    us += dot_bf16x8(ur[c], xv);
+  }
+  gs = warp_sum(gs);
+  us = warp_sum(us);
+  if (lane == 0) store(__float2bfloat16(gs / (1.f + __expf(-gs)) * us));
 }
 
 // The routed slots as one warp sees them, straight from the ids (lane s holds slot s's
@@ -143,30 +165,11 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) gate_up_kerne
     const int e = route.expert(item / inter), j = item % inter;
     const uint4* g = reinterpret_cast<const uint4*>(w_gate_up + ((size_t)e * 2 * inter + j) * hidden);
     const uint4* u = g + (size_t)inter * chunks;
-    // Indices clamped into the row so that every load issues unconditionally; chunks past the
-    // row's end are zeroed after loading.
     uint4 gr[C], ur[C];
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int idx = min(c * 32 + lane, chunks - 1);
-      gr[c] = load_stream(g + idx);
-      ur[c] = load_stream(u + idx);
-    }
-#pragma unroll
-    for (int c = 0; c < C; ++c)
-      if (c * 32 + lane >= chunks) gr[c] = ur[c] = make_uint4(0, 0, 0, 0);
+    load_gate_up_rows(g, u, chunks, lane, [](const uint4* p) { return load_stream(p); }, gr, ur);
     route.for_slots(item / inter, e, [&](int s) {
       const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(s / top_k) * hidden);
-      float gs = 0.f, us = 0.f;
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-        const uint4 xv = __ldg(xr + min(c * 32 + lane, chunks - 1));
-        gs += dot8(gr[c], xv);
-        us += dot8(ur[c], xv);
-      }
-      gs = warp_sum(gs);
-      us = warp_sum(us);
-      if (lane == 0) act[(size_t)s * inter + j] = __float2bfloat16(gs / (1.f + __expf(-gs)) * us);
+      gate_up_act(gr, ur, xr, chunks, lane, [&](__nv_bfloat16 v) { act[(size_t)s * inter + j] = v; });
     });
   }
 }
@@ -223,7 +226,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
       for (int r = 0; r < R; ++r) {
         float v = 0.f;
 #pragma unroll
-        for (int c = 0; c < C; ++c) v += dot8(wr[r][c], av[c]);
+        for (int c = 0; c < C; ++c) v += dot_bf16x8(wr[r][c], av[c]);
         v = warp_sum(v);
         if (lane == r) mine = v;
       }
@@ -291,7 +294,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kDownCombineMinBlocks) down_c
         float v = 0.f;
 #pragma unroll
         for (int c = 0; c < C; ++c)
-          v += dot8(wr[b][c], ar[min(c * 32 + lane, chunks - 1)]);  // plain load: slot_sums.cuh
+          v += dot_bf16x8(wr[b][c], ar[min(c * 32 + lane, chunks - 1)]);  // plain load: slot_sums.cuh
         mine += (a0 + b < n ? __ldg(weights + slot) : 0.f) * v;
       }
     }
@@ -374,13 +377,7 @@ __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const Part* 
     if (g >= groups) break;
     const float4 w0 = __ldg(reinterpret_cast<const float4*>(rn.weight + g * 8));
     const float4 w1 = __ldg(reinterpret_cast<const float4*>(rn.weight + g * 8) + 1);
-    const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-    uint4 out;
-    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      o[i] = __floats2bfloat162_rn(w[2 * i] * (v[c][2 * i] * inv), w[2 * i + 1] * (v[c][2 * i + 1] * inv));
-    *reinterpret_cast<uint4*>(h + g * 8) = out;
+    *reinterpret_cast<uint4*>(h + g * 8) = norm_bf16x8(w0, w1, v[c], inv);
   }
 }
 
@@ -472,8 +469,17 @@ cudaError_t launch_direct(const ExpertBuffers& b, const void* x, const int* ids,
                      : launch_direct_with<Routing>(b, x, ids, weights, tokens, nullptr, stream);
 }
 
-// blockIdx.x: index into the touched experts (blocks past their count exit); blockIdx.y: a tile
-// of kGroupedWarps intermediate rows, one per warp.
+// The grouped kernels' grid: blockIdx.x indexes the touched experts (blocks past their count
+// exit), blockIdx.y a tile of kGroupedWarps weight rows, one per warp. Gives this warp's expert
+// and row, false where there is none.
+__device__ __forceinline__ bool grouped_item(const int* active, const int* num_active, int rows, int& e, int& row) {
+  if (blockIdx.x >= *num_active) return false;
+  e = active[blockIdx.x];
+  row = blockIdx.y * kGroupedWarps + threadIdx.x / 32;
+  return row < rows;
+}
+
+// gate_up: a warp per intermediate row.
 template <int C>  // 16-byte chunks of a weight row per lane: ceil(hidden / 256)
 __global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped_gate_up_kernel(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_gate_up,
@@ -481,38 +487,17 @@ __global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped
     const int* __restrict__ num_active, int hidden, int inter, int top_k,
     __nv_bfloat16* __restrict__ act) {
   begin_dependent();  // the plan's
-  if (blockIdx.x >= *num_active) return;
-  const int e = active[blockIdx.x];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int j = blockIdx.y * kGroupedWarps + warp;
-  if (j >= inter) return;
+  int e, j;
+  if (!grouped_item(active, num_active, inter, e, j)) return;
+  const int lane = threadIdx.x % 32;
   const int chunks = hidden / 8;
   const uint4* g = reinterpret_cast<const uint4*>(w_gate_up + ((size_t)e * 2 * inter + j) * hidden);
   const uint4* u = reinterpret_cast<const uint4*>(w_gate_up + ((size_t)e * 2 * inter + inter + j) * hidden);
-  // Every load is issued unconditionally (indices clamped into the row) so that all of them are
-  // in flight at once; chunks past the row's end are zeroed after loading.
   uint4 gr[C], ur[C];
-#pragma unroll
-  for (int c = 0; c < C; ++c) {
-    const int idx = min(c * 32 + lane, chunks - 1);
-    gr[c] = __ldg(g + idx);
-    ur[c] = __ldg(u + idx);
-  }
-#pragma unroll
-  for (int c = 0; c < C; ++c)
-    if (c * 32 + lane >= chunks) gr[c] = ur[c] = make_uint4(0, 0, 0, 0);
+  load_gate_up_rows(g, u, chunks, lane, [](const uint4* p) { return __ldg(p); }, gr, ur);
   for (int p = offsets[e]; p < offsets[e + 1]; ++p) {
     const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(order[p] / top_k) * hidden);
-    float gs = 0.f, us = 0.f;
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const uint4 xv = __ldg(xr + min(c * 32 + lane, chunks - 1));
-      gs += dot8(gr[c], xv);
-      us += dot8(ur[c], xv);
-    }
-    gs = warp_sum(gs);
-    us = warp_sum(us);
-    if (lane == 0) act[(size_t)p * inter + j] = __float2bfloat16(gs / (1.f + __expf(-gs)) * us);
+    gate_up_act(gr, ur, xr, chunks, lane, [&](__nv_bfloat16 v) { act[(size_t)p * inter + j] = v; });
   }
 }
 
@@ -523,11 +508,9 @@ __global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped
     const int* __restrict__ num_active, const float* __restrict__ weights, int hidden, int inter,
     float* __restrict__ part) {
   begin_dependent();  // gate_up's act
-  if (blockIdx.x >= *num_active) return;
-  const int e = active[blockIdx.x];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int h = blockIdx.y * kGroupedWarps + warp;
-  if (h >= hidden) return;
+  int e, h;
+  if (!grouped_item(active, num_active, hidden, e, h)) return;
+  const int lane = threadIdx.x % 32;
   const int chunks = inter / 8;
   const uint4* w = reinterpret_cast<const uint4*>(w_down + ((size_t)e * hidden + h) * inter);
   uint4 wr[C];
@@ -541,7 +524,7 @@ __global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped
     const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)p * inter);
     float s = 0.f;
 #pragma unroll
-    for (int c = 0; c < C; ++c) s += dot8(wr[c], __ldg(ar + min(c * 32 + lane, chunks - 1)));
+    for (int c = 0; c < C; ++c) s += dot_bf16x8(wr[c], __ldg(ar + min(c * 32 + lane, chunks - 1)));
     s = warp_sum(s);
     if (lane == 0) part[(size_t)slot * hidden + h] = weights[slot] * s;
   }
@@ -563,10 +546,10 @@ void launch_grouped_down(dim3 grid, cudaStream_t stream, const __nv_bfloat16* ac
                    b.num_active, weights, b.hidden, b.inter, static_cast<float*>(b.part));
 }
 
-// Past kGemvDirectMaxSlots: the plan, then one short block per (touched expert, 4 rows), from
-// lab/cuda/moe_decode_v2. The persistent kernels above, fed by the plan instead of the ids, ran
-// 5-15% slower here (each item's expert, offsets and slot list cost dependent L2 round trips
-// before its weight loads could issue; lab/cuda/NOTES.md).
+// Past kGemvDirectMaxSlots: the plan, then one short block per (touched expert, 4 rows), the v2
+// of docs/perf/decode-expert-gemv.md. The persistent kernels above, fed by the plan instead of the
+// ids, ran 5-15% slower here (each item's expert, offsets and slot list cost dependent L2 round
+// trips before its weight loads could issue; docs/perf/decode-direct-gemv.md).
 cudaError_t launch_grouped(const ExpertBuffers& b, const void* x, const float* weights, int tokens,
                            cudaStream_t stream) {
   const int slots = tokens * b.top_k;

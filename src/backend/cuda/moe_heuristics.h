@@ -115,10 +115,10 @@ inline int wgmma_tile_m(int64_t tokens, int64_t top_k, int64_t experts) {
 // still cuts 128-row tiles, and an expert of 129 to 256 rows, which those leave with a second,
 // nearly empty tile re-reading all of its weights, runs as one 256-row tile. With uniform routing
 // about half the experts are such there. As the only tiles of the layer they lost wherever
-// routing was uneven (lab/cuda/NOTES.md, "The gated mixed row tiles, run"), hence a choice per
-// forward. Measured (moe-bench layer --device cuda, H100, 2026-11-23), µs, without -> with the
-// choice: qwen3-30b-a3b M = 2048 636 -> 595, --routing-skew 0.3 646 -> 612, M = 2176 699 -> 653;
-// where the counts keep 128-row tiles (the mixed grids launched and exiting at once): M = 2048
+// routing was uneven (docs/perf/mixed-row-tiles.md), hence a choice per forward. Measured
+// (moe-bench layer --device cuda, H100, 2026-11-23), µs, without -> with the choice:
+// qwen3-30b-a3b M = 2048 636 -> 595, --routing-skew 0.3 646 -> 612, M = 2176 699 -> 653; where
+// the counts keep 128-row tiles (the mixed grids launched and exiting at once): M = 2048
 // --routing-skew 1 625 -> 627, M = 1792 553 -> 557, deepseek-v2-lite M = 1280 499 -> 502. Below
 // ~100 rows an expert uniform routing leaves almost no expert past 128 rows (M = 1536, 96 rows:
 // 514.6 with 128-row tiles, 513.8 with mixed ones as the only tiles).

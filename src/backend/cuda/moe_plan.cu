@@ -71,7 +71,7 @@ constexpr int kPlanChunks = kMaxExperts / 32;
 // columns, so two of its items cover 256 columns, each reading the expert's rows again.
 // Mixed row tiles (heuristics::kWgmmaMixedTiles): an expert of 129 to 256 rows counts as one
 // 256-row tile, any other as 128-row tiles; one past 256 rows rules them out (-1), as they
-// measured slower wherever such experts were (lab/cuda/NOTES.md, "The gated mixed row tiles, run").
+// measured slower wherever such experts were (docs/perf/mixed-row-tiles.md).
 __device__ __forceinline__ int tile_ingress_rows(int c, int tile) {
   if (c == 0) return 0;
   if (tile == heuristics::kWgmmaMixedTiles) {
@@ -89,8 +89,8 @@ __device__ __forceinline__ int tile_ingress_rows(int c, int tile) {
 // num_tiles[0] gets the tile count when tile_m is taken and 0 otherwise; with tile_alt,
 // num_tiles[1] the same for tile_alt. Each GEMM grid reads its own, so the grids of the tile not
 // taken exit at once.
-// Checked offline against eight measured cases (lab/cuda/NOTES.md, "The row tile under uneven
-// routing"); it does not count the tensor work of zero-filled rows or the items' balance.
+// Checked offline against eight measured cases (docs/perf/row-tile-per-forward.md); it does not
+// count the tensor work of zero-filled rows or the items' balance.
 __device__ int plan_scan(const int* counts, int experts, int tile_m, int tile_alt, int* cursor,
                          int* tile_start, int* total_tiles, int* chunk_sums, int* __restrict__ offsets,
                          int* __restrict__ active, int* __restrict__ num_active,

@@ -271,7 +271,7 @@ __device__ __forceinline__ void store_row_pairs(__nv_bfloat16* at, uint32_t (&v)
 // TMA boxes of 64 rows (two or four a stage). At 512 threads ptxas gives no instruction more than
 // 128 registers, so a consumer takes its 64 x 256 of a 128 x 256 item as two m64n128 halves. One
 // producer warpgroup with Cfg<128, 256>'s register split instead (m64n256 kept) spilled in
-// gate_up's consumers and cost its ordinary items 1.5% (lab/cuda/NOTES.md, "Mixed row tiles").
+// gate_up's consumers and cost its ordinary items 1.5% (docs/perf/mixed-row-tiles.md).
 template <int BM, int BN, bool kMixed>
 using RingOf = std::conditional_t<kMixed, Cfg<256, 128>, Cfg<BM, BN>>;
 static_assert(Cfg<128, 256>::kStageBytes == Cfg<256, 128>::kStageBytes &&

@@ -13,6 +13,7 @@
 
 #include <atomic>
 
+#include "backend/cuda/bf16x8.cuh"
 #include "backend/cuda/ops_launch.h"
 #include "backend/cuda/pdl.h"
 #include "backend/cuda/route_device.cuh"
@@ -25,23 +26,13 @@ constexpr int kWarps = 8;
 // 16-byte chunks of the rows each thread holds: tokens * hidden <= kIter * 256 * 8.
 constexpr int kIter = kNormRouteMaxElements / (kWarps * 32 * 8);
 
-__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = __bfloat1622float2(h[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
-
 // x + branch for 8 consecutive values at chunk c of row t.
 __device__ __forceinline__ void residual8(const NormRouteParams& q, int t, int c, float (&a)[8]) {
   const size_t at = static_cast<size_t>(t) * q.hidden + static_cast<size_t>(c) * 8;
   const float4 lo = *reinterpret_cast<const float4*>(q.x + at);
   const float4 hi = *reinterpret_cast<const float4*>(q.x + at + 4);
   float b[8];
-  unpack8(*reinterpret_cast<const uint4*>(q.branch + at), b);
+  unpack_bf16x8(*reinterpret_cast<const uint4*>(q.branch + at), b);
   a[0] = lo.x + b[0], a[1] = lo.y + b[1], a[2] = lo.z + b[2], a[3] = lo.w + b[3];
   a[4] = hi.x + b[4], a[5] = hi.y + b[5], a[6] = hi.z + b[6], a[7] = hi.w + b[7];
 }
@@ -107,13 +98,7 @@ __global__ void __launch_bounds__(kWarps * 32) norm_route_kernel(NormRouteParams
     const float inv = s_inv[i / chunks];
     const float4 w0 = __ldg(reinterpret_cast<const float4*>(q.norm_weight) + 2 * c);
     const float4 w1 = __ldg(reinterpret_cast<const float4*>(q.norm_weight) + 2 * c + 1);
-    const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-    uint4 out;
-    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      o[k] = __floats2bfloat162_rn(w[2 * k] * (v[j][2 * k] * inv), w[2 * k + 1] * (v[j][2 * k + 1] * inv));
-    s_rows[i] = out;
+    s_rows[i] = norm_bf16x8(w0, w1, v[j], inv);
   }
   __syncthreads();
 
@@ -136,12 +121,12 @@ __global__ void __launch_bounds__(kWarps * 32) norm_route_kernel(NormRouteParams
         const int c = base + 32 * u;
         if (c >= chunks) break;
         float wf[8];
-        unpack8(wv[u], wf);
+        unpack_bf16x8(wv[u], wf);
 #pragma unroll
         for (int t = 0; t < kNormRouteMaxTokens; ++t) {
           if (t >= tokens) break;
           float xf[8];
-          unpack8(s_rows[static_cast<size_t>(t) * chunks + c], xf);
+          unpack_bf16x8(s_rows[static_cast<size_t>(t) * chunks + c], xf);
 #pragma unroll
           for (int i = 0; i < 8; ++i) acc[t] = fmaf(wf[i], xf[i], acc[t]);
         }

@@ -28,7 +28,7 @@
 // values: with the state in a struct, or passed by reference, nvcc generated different code for
 // the kernels (the decode kernel's register count changed). For the same reason each kernel sums
 // its l over the quad itself (five lines).
-// Device code, CUDA headers only.
+// Device code, and where the host puts the partials of split rows; CUDA headers only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -85,17 +85,20 @@ __device__ __forceinline__ TileMax raise_running_max(float (&s)[NT][4], float m_
   return t;
 }
 
+// One n8 tile's scores (two columns of row a, then two of row b) become their weights.
+__device__ __forceinline__ void n8_weights(float (&c)[4], const TileMax& t) {
+  c[0] = exp2f(c[0] - t.use_a);
+  c[1] = exp2f(c[1] - t.use_a);
+  c[2] = exp2f(c[2] - t.use_b);
+  c[3] = exp2f(c[3] - t.use_b);
+}
+
 // The tile's scores become their weights exp2(s - m_new): the P of O += P V, ready for
 // accumulators_to_a_fragment.
 template <int NT>
 __device__ __forceinline__ void tile_weights(float (&s)[NT][4], const TileMax& t) {
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    s[nt][0] = exp2f(s[nt][0] - t.use_a);
-    s[nt][1] = exp2f(s[nt][1] - t.use_a);
-    s[nt][2] = exp2f(s[nt][2] - t.use_b);
-    s[nt][3] = exp2f(s[nt][3] - t.use_b);
-  }
+  for (int nt = 0; nt < NT; ++nt) n8_weights(s[nt], t);
 }
 
 // tile_weights, and this thread's share of each row's sum of the weights, added n8 tile by n8
@@ -107,10 +110,7 @@ __device__ __forceinline__ RowPair tile_weights_and_sums(float (&s)[NT][4], cons
   float sum_a = 0.f, sum_b = 0.f;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    s[nt][0] = exp2f(s[nt][0] - t.use_a);
-    s[nt][1] = exp2f(s[nt][1] - t.use_a);
-    s[nt][2] = exp2f(s[nt][2] - t.use_b);
-    s[nt][3] = exp2f(s[nt][3] - t.use_b);
+    n8_weights(s[nt], t);
     sum_a += s[nt][0] + s[nt][1];
     sum_b += s[nt][2] + s[nt][3];
   }
@@ -127,6 +127,20 @@ __device__ __forceinline__ void rescale_rows(float (&o)[ND][4], const TileMax& t
     o[nd][2] *= t.alpha_b;
     o[nd][3] *= t.alpha_b;
   }
+}
+
+// Host side: where a kernel that splits each row's keys over blocks leaves the splits' partial
+// results for their merge, in the caller's workspace: for `rows` (token, head) rows, `splits`
+// outputs of `dim` floats each, then the (m, l) pairs. Both null with one split; a missing
+// workspace where splits need one is cudaErrorInvalidValue.
+inline cudaError_t split_partials(void* workspace, size_t rows, int splits, int dim, float** o, float** ml) {
+  *o = nullptr;
+  *ml = nullptr;
+  if (splits <= 1) return cudaSuccess;
+  if (workspace == nullptr) return cudaErrorInvalidValue;
+  *o = static_cast<float*>(workspace);
+  *ml = *o + rows * splits * dim;
+  return cudaSuccess;
 }
 
 }  // namespace moe::cuda::kernels

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 
+#include "backend/cuda/bf16x8.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/pdl.h"
 #include "backend/cuda/peer_access.h"
@@ -70,14 +71,7 @@ template <typename Load>
 __device__ __forceinline__ void rank_order_sum(int ranks, Load&& load, float (&out)[8]) {
   float s[8] = {};
   for (int p = 0; p < ranks; ++p) {
-    const uint4 x = load(p);
-    const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&x);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const float2 f = __bfloat1622float2(q[c]);
-      s[2 * c] += f.x;
-      s[2 * c + 1] += f.y;
-    }
+    kernels::add_bf16x8(load(p), s);
   }
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
@@ -111,16 +105,7 @@ __device__ __forceinline__ void add_residual(const Args& a, int64_t r, int c, co
   const float in[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
   for (int k = 0; k < 8; ++k) v[k] = in[k] + s[k];
-  if (a.norm.extra) {
-    const uint4 w = reinterpret_cast<const uint4*>(a.norm.extra + r * hidden)[c];
-    const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&w);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 f = __bfloat1622float2(q[k]);
-      v[2 * k] += f.x;
-      v[2 * k + 1] += f.y;
-    }
-  }
+  if (a.norm.extra) kernels::add_bf16x8(reinterpret_cast<const uint4*>(a.norm.extra + r * hidden)[c], v);
   reinterpret_cast<float4*>(x)[2 * c] = make_float4(v[0], v[1], v[2], v[3]);
   reinterpret_cast<float4*>(x)[2 * c + 1] = make_float4(v[4], v[5], v[6], v[7]);
 }
@@ -129,13 +114,7 @@ __device__ __forceinline__ void store_normed(const Args& a, int64_t r, int c, co
   const int hidden = a.vectors * 8;
   const float4 wl = reinterpret_cast<const float4*>(a.norm.weight)[2 * c];
   const float4 wh = reinterpret_cast<const float4*>(a.norm.weight)[2 * c + 1];
-  uint4 out;
-  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-  o[0] = __floats2bfloat162_rn(wl.x * (v[0] * inv), wl.y * (v[1] * inv));
-  o[1] = __floats2bfloat162_rn(wl.z * (v[2] * inv), wl.w * (v[3] * inv));
-  o[2] = __floats2bfloat162_rn(wh.x * (v[4] * inv), wh.y * (v[5] * inv));
-  o[3] = __floats2bfloat162_rn(wh.z * (v[6] * inv), wh.w * (v[7] * inv));
-  reinterpret_cast<uint4*>(a.norm.normed + r * hidden)[c] = out;
+  reinterpret_cast<uint4*>(a.norm.normed + r * hidden)[c] = kernels::norm_bf16x8(wl, wh, v, inv);
 }
 
 // Row r's folded residual add and norm, its vector c summed by sum(c, s). sum returns false when

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "backend/cuda/bf16x8.cuh"
 #include "backend/cuda/ops_launch.h"
 #include "backend/cuda/pdl.h"
 #include "backend/cuda/route_device.cuh"
@@ -73,19 +74,6 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(const float* __
 // route() with the projection folded in, for small routers: one warp per token computes the
 // logits (lane-strided 16-byte chunks of the bf16 rows, f32 products summed per lane, then a
 // butterfly across the warp) into shared memory and routes from there.
-__device__ __forceinline__ float dot_bf16x8(uint4 a, uint4 b) {
-  const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
-  const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);
-  float s = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 fx = __bfloat1622float2(x[i]), fy = __bfloat1622float2(y[i]);
-    s = fmaf(fx.x, fy.x, s);
-    s = fmaf(fx.y, fy.y, s);
-  }
-  return s;
-}
-
 template <int P>
 __global__ void __launch_bounds__(kRouteWarps * 32) route_hidden_kernel(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, int hidden, RouterParams p,
