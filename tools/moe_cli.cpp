@@ -191,15 +191,9 @@ int run_generate(const Common& c, const std::string& prompt, int n, const Sampli
   const int32_t seq = executor->open();
   int64_t draws = 0;
   auto step = [&](std::span<const int32_t> tokens) {
-    runtime::StepPlan plan;
-    plan.tokens.assign(tokens.begin(), tokens.end());
-    runtime::StepRow row;
-    row.seq = seq;
-    row.count = static_cast<int32_t>(tokens.size());
-    row.sample = true;
-    row.sampling = sp;
-    row.draw = draws++;
-    plan.rows.push_back(row);
+    const runtime::StepPlan plan{
+        {tokens.begin(), tokens.end()},
+        {{.seq = seq, .count = static_cast<int32_t>(tokens.size()), .sample = true, .sampling = sp, .draw = draws++}}};
     return executor->run(plan).tokens[0];
   };
   stream_out(mc, true, [&] { return step(ids); }, [&](int32_t token) { return step({&token, 1}); });
@@ -226,13 +220,8 @@ int run_logits(const Common& c, const std::string& ids_text) {
   };
   cpu::Executor* cpu = nullptr;
   auto executor = c.load_executor(static_cast<int64_t>(ids.size()), 0, &cpu);
-  runtime::StepPlan plan;
-  plan.tokens = ids;
-  runtime::StepRow row;
-  row.seq = executor->open();
-  row.count = static_cast<int32_t>(ids.size());
-  row.logits = runtime::RowLogits::kAll;
-  plan.rows.push_back(row);
+  const runtime::StepPlan plan{
+      ids, {{.seq = executor->open(), .count = static_cast<int32_t>(ids.size()), .logits = runtime::RowLogits::kAll}}};
   print_logits(executor->run(plan).logits[0]);
   if (cpu && c.expert_stats) Common::print_expert_stats(cpu->model());
   return 0;

@@ -38,7 +38,7 @@ struct StepRow {
   int32_t seq = -1;
   int32_t offset = 0, count = 0;
   bool sample = false;
-  SamplingParams sampling;
+  SamplingParams sampling{};
   int64_t draw = 0;
   RowLogits logits = RowLogits::kNone;
 };

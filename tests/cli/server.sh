@@ -53,15 +53,22 @@ bad_flags "missing model directory" 'does not exist' -m "$work/none"
 bad_flags "--max-batch 0" 'max_batch' -m "$model" --max-batch 0
 bad_flags "--port out of range" 'port' -m "$model" --port 70000
 
-"$server" -m "$model" --port 0 -t 2 --max-batch 16 2>"$work/log" &
-pid=$!
-url=""
-for _ in $(seq 1 300); do
-  url=$(grep -oE 'http://127\.0\.0\.1:[0-9]+' "$work/log" | head -n 1)
-  [ -n "$url" ] && break
-  kill -0 "$pid" 2>/dev/null || break
-  sleep 0.1
-done
+# start_server LOG ARGS...: starts moe-server with ARGS, its stderr in LOG; sets pid, and url once
+# it listens (empty if it never did).
+start_server() {
+  local log=$1
+  shift
+  "$server" "$@" 2>"$log" &
+  pid=$!
+  url=""
+  for _ in $(seq 1 300); do
+    url=$(grep -oE 'http://127\.0\.0\.1:[0-9]+' "$log" | head -n 1)
+    [ -n "$url" ] && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+}
+start_server "$work/log" -m "$model" --port 0 -t 2 --max-batch 16
 [ -n "$url" ] || { echo "FAIL the server did not start: $(cat "$work/log")"; exit 1; }
 
 # request METHOD PATH [BODY]: prints the status code; the body lands in $work/body.
@@ -187,15 +194,7 @@ wait "$curl_pid" 2>/dev/null
 
 # Two expert-parallel ranks on the CPU serve the greedy text of one.
 for backend in local_allreduce alltoall_packed; do
-  "$server" -m "$model" --port 0 -t 2 --ep 2 --ep-backend "$backend" 2>"$work/log_ep" &
-  pid=$!
-  url=""
-  for _ in $(seq 1 300); do
-    url=$(grep -oE 'http://127\.0\.0\.1:[0-9]+' "$work/log_ep" | head -n 1)
-    [ -n "$url" ] && break
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.1
-  done
+  start_server "$work/log_ep" -m "$model" --port 0 -t 2 --ep 2 --ep-backend "$backend"
   if [ -n "$url" ] && [ "$(request POST /v1/completions '{"prompt": "Hello there", "max_tokens": 8, "temperature": 0}')" = 200 ] &&
       grep -qF "$(node -e 'process.stdout.write(JSON.stringify(require("fs").readFileSync(process.argv[1], "utf8")))' "$work/text0")" "$work/body"; then
     ok "--ep 2 --ep-backend $backend on the CPU gives the one-rank text"

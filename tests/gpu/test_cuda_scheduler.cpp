@@ -84,14 +84,28 @@ std::vector<std::vector<int32_t>> alone(cuda::Engine& engine, const std::vector<
   return out;
 }
 
+// An engine for 4 sequences, n prompts with their greedy outputs alone, and a scheduler that has
+// every prompt submitted.
+struct Submitted {
+  std::unique_ptr<cuda::Engine> engine;
+  std::vector<std::vector<int32_t>> want;
+  std::unique_ptr<Scheduler> scheduler;
+  std::vector<uint64_t> ids;
+};
+Submitted submit_prompts(int n, int64_t max_tokens) {
+  Submitted x;
+  x.engine = load(4, 0);
+  const auto ps = prompts(n, x.engine->config().vocab_size);
+  x.want = alone(*x.engine, ps, max_tokens);
+  x.scheduler = std::make_unique<Scheduler>(*x.engine, no_reuse(256));
+  for (const auto& p : ps) x.ids.push_back(x.scheduler->submit(p, greedy(max_tokens)));
+  return x;
+}
+
 TEST(CudaScheduler, ConcurrentRequestsMatchEachAlone) {
   REQUIRE_GPU();
-  auto engine = load(4, 0);
-  const auto ps = prompts(9, engine->config().vocab_size);
-  const auto want = alone(*engine, ps, 12);
-  Scheduler s(*engine, no_reuse(256));
-  std::vector<uint64_t> ids;
-  for (const auto& p : ps) ids.push_back(s.submit(p, greedy(12)));
+  auto [engine, want, scheduler, ids] = submit_prompts(9, 12);
+  Scheduler& s = *scheduler;
   Outcome got;
   drain(s, got);
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -129,12 +143,8 @@ TEST(CudaScheduler, PreemptsWhenBlocksRunOutAndCompletesEveryRequest) {
 
 TEST(CudaScheduler, CancelFreesTheSequenceAndOthersContinue) {
   REQUIRE_GPU();
-  auto engine = load(4, 0);
-  const auto ps = prompts(3, engine->config().vocab_size);
-  const auto want = alone(*engine, ps, 20);
-  Scheduler s(*engine, no_reuse(256));
-  std::vector<uint64_t> ids;
-  for (const auto& p : ps) ids.push_back(s.submit(p, greedy(20)));
+  auto [engine, want, scheduler, ids] = submit_prompts(3, 20);
+  Scheduler& s = *scheduler;
   Outcome got;
   for (int i = 0; i < 3; ++i)
     for (const Event& e : s.step())

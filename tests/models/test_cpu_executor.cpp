@@ -18,15 +18,8 @@ using runtime::RowLogits;
 using runtime::StepPlan;
 using runtime::StepRow;
 
-StepRow row(int32_t seq, int32_t offset, int32_t count, RowLogits logits, bool sample = false, int64_t draw = 0) {
-  StepRow r;
-  r.seq = seq;
-  r.offset = offset;
-  r.count = count;
-  r.logits = logits;
-  r.sample = sample;
-  r.draw = draw;
-  return r;
+StepRow row(int32_t seq, int32_t offset, int32_t count, RowLogits logits, bool sample = false) {
+  return StepRow{.seq = seq, .offset = offset, .count = count, .sample = sample, .logits = logits};
 }
 
 float max_diff(const Tensor& a, const Tensor& b) {

@@ -116,12 +116,7 @@ class SchedulerTest : public ::testing::TestWithParam<std::string> {
 // Many requests of mixed lengths at once, with a step budget small enough that prompts are
 // prefilled in several chunks beside the running decodes.
 TEST_P(SchedulerTest, ConcurrentGreedyRequestsMatchEachAlone) {
-  ServeSetup cfg;
-  cfg.block_size = 4;
-  cfg.kv_blocks = 200;
-  cfg.max_batch = 6;
-  cfg.max_step_tokens = 16;
-  Served s(*model, cfg);
+  Served s(*model, ServeSetup{.kv_blocks = 200, .block_size = 4, .max_batch = 6, .max_step_tokens = 16});
   std::mt19937 rng(7);
   std::map<uint64_t, std::pair<std::vector<int32_t>, RequestOptions>> submitted;
   int64_t need = 0;
@@ -150,12 +145,7 @@ TEST_P(SchedulerTest, ConcurrentGreedyRequestsMatchEachAlone) {
 // A long prompt arriving while another request decodes is prefilled in chunks: the decoding
 // request still gets a token at every step.
 TEST_P(SchedulerTest, LongPromptDoesNotStallRunningDecodes) {
-  ServeSetup cfg;
-  cfg.block_size = 4;
-  cfg.kv_blocks = 64;
-  cfg.max_batch = 4;
-  cfg.max_step_tokens = 8;
-  Served s(*model, cfg);
+  Served s(*model, ServeSetup{.kv_blocks = 64, .block_size = 4, .max_batch = 4, .max_step_tokens = 8});
   std::mt19937 rng(11);
   RequestOptions short_opts, long_opts;
   short_opts.max_tokens = 12;
@@ -197,12 +187,8 @@ TEST_P(SchedulerTest, LongPromptDoesNotStallRunningDecodes) {
 // A pool far smaller than the requests need together: requests are preempted and recomputed,
 // and every output is still the one it has alone.
 TEST_P(SchedulerTest, PreemptionWhenBlocksRunOutKeepsOutputs) {
-  ServeSetup cfg;
-  cfg.block_size = 4;
-  cfg.kv_blocks = 10;  // 40 tokens for 6 requests of up to 27 tokens each
-  cfg.max_batch = 6;
-  cfg.max_step_tokens = 32;
-  Served s(*model, cfg);
+  // 40 tokens for 6 requests of up to 27 tokens each.
+  Served s(*model, ServeSetup{.kv_blocks = 10, .block_size = 4, .max_batch = 6, .max_step_tokens = 32});
   std::mt19937 rng(5);
   std::map<uint64_t, std::pair<std::vector<int32_t>, RequestOptions>> submitted;
   for (int i = 0; i < 6; ++i) {
@@ -233,12 +219,7 @@ TEST_P(SchedulerTest, IdenticalPromptBlocksAreShared) {
   RequestOptions o;
   o.max_tokens = 6;
   for (bool reuse : {true, false}) {
-    ServeSetup cfg;
-    cfg.block_size = 4;
-    cfg.kv_blocks = 32;
-    cfg.max_step_tokens = 64;
-    cfg.prefix_reuse = reuse;
-    Served s(*model, cfg);
+    Served s(*model, ServeSetup{.kv_blocks = 32, .block_size = 4, .max_step_tokens = 64, .prefix_reuse = reuse});
     std::vector<uint64_t> ids{s.submit(prompts[0], o)};
     std::map<uint64_t, Outcome> seen;
     for (const Event& e : s.step()) seen[e.id].tokens.push_back(e.token);
@@ -267,12 +248,7 @@ TEST_P(SchedulerTest, IdenticalPromptBlocksAreShared) {
 // Per-request sampling: each request draws its own seeded, counter-based numbers, whatever it
 // shares a batch with and however often it is preempted.
 TEST_P(SchedulerTest, SeededSamplingMatchesAlone) {
-  ServeSetup cfg;
-  cfg.block_size = 4;
-  cfg.kv_blocks = 12;
-  cfg.max_batch = 5;
-  cfg.max_step_tokens = 20;
-  Served s(*model, cfg);
+  Served s(*model, ServeSetup{.kv_blocks = 12, .block_size = 4, .max_batch = 5, .max_step_tokens = 20});
   std::mt19937 rng(13);
   std::map<uint64_t, std::pair<std::vector<int32_t>, RequestOptions>> submitted;
   for (int i = 0; i < 5; ++i) {
@@ -291,9 +267,7 @@ TEST_P(SchedulerTest, SeededSamplingMatchesAlone) {
 }
 
 TEST_P(SchedulerTest, StopIdsEndARequestEarly) {
-  ServeSetup cfg;
-  cfg.block_size = 4;
-  Served s(*model, cfg);
+  Served s(*model, ServeSetup{.block_size = 4});
   std::vector<int32_t> prompt{3, 1, 4, 1, 5, 9, 2, 6};
   RequestOptions free_run;
   free_run.max_tokens = 12;
@@ -313,12 +287,8 @@ TEST_P(SchedulerTest, StopIdsEndARequestEarly) {
 }
 
 TEST_P(SchedulerTest, CancelFreesBlocksAndLeavesOthersIntact) {
-  ServeSetup cfg;
-  cfg.block_size = 4;
-  cfg.kv_blocks = 40;
-  cfg.max_batch = 2;  // so that some requests are still waiting when cancelled
-  cfg.max_step_tokens = 16;
-  Served t(*model, cfg);
+  // At most two running, so that some requests are still waiting when cancelled.
+  Served t(*model, ServeSetup{.kv_blocks = 40, .block_size = 4, .max_batch = 2, .max_step_tokens = 16});
   std::mt19937 rng(17);
   std::vector<std::vector<int32_t>> prompts;
   std::vector<uint64_t> ids;
@@ -355,11 +325,7 @@ TEST_P(SchedulerTest, CancelFreesBlocksAndLeavesOthersIntact) {
 }
 
 TEST_P(SchedulerTest, BadRequestsAreRejectedWithOneLine) {
-  ServeSetup cfg;
-  cfg.block_size = 4;
-  cfg.kv_blocks = 8;
-  cfg.max_context = 64;
-  Served s(*model, cfg);
+  Served s(*model, ServeSetup{.kv_blocks = 8, .block_size = 4, .max_context = 64});
   const int32_t vocab = static_cast<int32_t>(model->config().vocab_size);
   auto rejects = [&](std::vector<int32_t> prompt, RequestOptions o, const std::string& words) {
     auto e = expect_error([&] { s.submit(prompt, o); });
@@ -443,10 +409,7 @@ TEST(SchedulerText, StreamedTextAndStopStrings) {
   const std::string stop = text.substr(text.size() / 2, 4);
   const std::string before = text.substr(0, text.find(stop));
 
-  ServeSetup cfg;
-  cfg.block_size = 8;
-  cfg.kv_blocks = 32;
-  Served s(*model, cfg, &tok);
+  Served s(*model, ServeSetup{.kv_blocks = 32, .block_size = 8}, &tok);
   RequestOptions with_stop = o;
   with_stop.stop_strings = {"never appears in this text \x01", stop};
   const uint64_t plain = s.submit(prompt, o), stopped = s.submit(prompt, with_stop);

@@ -5,6 +5,7 @@
 // and the draw index only, so a request's output shows whether it was fed the right tokens.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <map>
 #include <random>
 
@@ -17,11 +18,7 @@
 namespace moe {
 namespace {
 
-using serve::Event;
-using serve::FinishReason;
-using serve::RequestOptions;
-using serve::Scheduler;
-using serve::SchedulerConfig;
+using namespace serve;
 
 constexpr int64_t kVocab = 1000;
 
@@ -107,6 +104,21 @@ std::vector<int32_t> random_prompt(std::mt19937& rng, int64_t n) {
   return p;
 }
 
+// Submits n greedy requests (prompt length and max_tokens by index); returns each id's prompt
+// and max_tokens.
+using Submitted = std::map<uint64_t, std::pair<std::vector<int32_t>, int64_t>>;
+Submitted submit_all(Scheduler& s, std::mt19937& rng, int n, const std::function<int64_t(int)>& prompt_len,
+                     const std::function<int64_t(int)>& max_tokens) {
+  Submitted submitted;
+  for (int i = 0; i < n; ++i) {
+    RequestOptions o;
+    o.max_tokens = max_tokens(i);
+    auto p = random_prompt(rng, prompt_len(i));
+    submitted[s.submit(p, o)] = {p, o.max_tokens};
+  }
+  return submitted;
+}
+
 std::map<uint64_t, std::vector<int32_t>> run_to_end(Scheduler& s) {
   std::map<uint64_t, std::vector<int32_t>> got;
   for (int step = 0; s.busy(); ++step) {
@@ -122,13 +134,8 @@ TEST(SchedulerPlans, BudgetAndSequenceLimitHoldAndDecodesComeFirst) {
   FakeExecutor x(4, 200, 4, 256);
   Scheduler s(x, SchedulerConfig{8, 0, true});
   std::mt19937 rng(3);
-  std::map<uint64_t, std::pair<std::vector<int32_t>, int64_t>> submitted;
-  for (int i = 0; i < 10; ++i) {
-    RequestOptions o;
-    o.max_tokens = 2 + i % 5;
-    auto p = random_prompt(rng, 1 + (i * 7) % 23);
-    submitted[s.submit(p, o)] = {p, o.max_tokens};
-  }
+  const Submitted submitted =
+      submit_all(s, rng, 10, [](int i) { return 1 + (i * 7) % 23; }, [](int i) { return 2 + i % 5; });
   const auto got = run_to_end(s);
   for (const auto& [id, req] : submitted) EXPECT_EQ(got.at(id), alone(req.first, req.second)) << id;
   ASSERT_FALSE(x.plans.empty());
@@ -153,13 +160,8 @@ TEST(SchedulerPlans, PreemptionAndRecomputationKeepEveryOutput) {
   FakeExecutor x(6, 10, 4, 256);  // 40 rows for six requests of up to 37
   Scheduler s(x, SchedulerConfig{32, 0, true});
   std::mt19937 rng(5);
-  std::map<uint64_t, std::pair<std::vector<int32_t>, int64_t>> submitted;
-  for (int i = 0; i < 6; ++i) {
-    RequestOptions o;
-    o.max_tokens = 12;
-    auto p = random_prompt(rng, 6 + 4 * i);
-    submitted[s.submit(p, o)] = {p, o.max_tokens};
-  }
+  const Submitted submitted =
+      submit_all(s, rng, 6, [](int i) { return 6 + 4 * i; }, [](int) { return 12; });
   const auto got = run_to_end(s);
   for (const auto& [id, req] : submitted) EXPECT_EQ(got.at(id), alone(req.first, req.second)) << id;
   EXPECT_GT(s.stats().preemptions, 0);
@@ -171,13 +173,8 @@ TEST(SchedulerPlans, AFailedStepLosesNothing) {
   FakeExecutor x(3, 64, 4, 256);
   Scheduler s(x, SchedulerConfig{16, 0, true});
   std::mt19937 rng(7);
-  std::map<uint64_t, std::pair<std::vector<int32_t>, int64_t>> submitted;
-  for (int i = 0; i < 3; ++i) {
-    RequestOptions o;
-    o.max_tokens = 6;
-    auto p = random_prompt(rng, 5 + 3 * i);
-    submitted[s.submit(p, o)] = {p, o.max_tokens};
-  }
+  const Submitted submitted =
+      submit_all(s, rng, 3, [](int i) { return 5 + 3 * i; }, [](int) { return 6; });
   std::map<uint64_t, std::vector<int32_t>> got;
   for (const Event& e : s.step()) got[e.id].push_back(e.token);
   x.fail_next = true;

@@ -20,6 +20,14 @@ std::vector<int32_t> iota_tokens(int n, int32_t first = 100) {
   return t;
 }
 
+// A new sequence whose cache holds `tokens`.
+int32_t filled(SequenceTable& t, const std::vector<int32_t>& tokens) {
+  const int32_t s = t.open();
+  t.reserve(s, static_cast<int64_t>(tokens.size()));
+  t.append(s, tokens);
+  return s;
+}
+
 void expect_refusal(const std::function<void()>& f, const std::string& words) {
   auto e = expect_error(f);
   EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
@@ -78,9 +86,7 @@ TEST(SequenceTable, FullBlocksAreSharedByTheirPrefix) {
   BlockAllocator blocks(16, 4);
   SequenceTable t(blocks, 3, 64, true);
   const auto prompt = iota_tokens(10);
-  const int32_t a = t.open();
-  t.reserve(a, 10);
-  t.append(a, prompt);
+  const int32_t a = filled(t, prompt);
   EXPECT_EQ(t.at(a).published, 2);  // two full blocks of four; the third holds two rows
   EXPECT_EQ(blocks.cached_blocks(), 2);
 
@@ -122,9 +128,7 @@ TEST(SequenceTable, WithoutPrefixReuseNothingIsPublishedOrFound) {
   BlockAllocator blocks(8, 4);
   SequenceTable t(blocks, 2, 32, false);
   const auto prompt = iota_tokens(9);
-  const int32_t a = t.open();
-  t.reserve(a, 9);
-  t.append(a, prompt);
+  filled(t, prompt);
   EXPECT_EQ(blocks.cached_blocks(), 0);
   const int32_t b = t.open();
   EXPECT_EQ(t.reuse_prefix(b, prompt), 0);
