@@ -1,174 +1,52 @@
+// The engine as an executor: loading every rank, the sequence table over one block allocator,
+// and the steps. A plan's rows become step metadata (token ids, positions, cache slots, block
+// tables, sampling) written into rank 0's pinned mirror and run by every rank in lockstep; the
+// forward itself is engine::Rank's (engine_rank.h), which knows nothing of sequences.
 #include "backend/cuda_engine.h"
 
 #include <algorithm>
-#include <cmath>
-#include <cstring>
 #include <functional>
 
-#include "backend/cuda/attention_launch.h"
-#include "backend/cuda/blas.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_model.h"
-#include "backend/cuda/engine_buffers.h"
-#include "backend/cuda/latent_attention_launch.h"
-#include "backend/cuda/ops_launch.h"
+#include "backend/cuda/engine_rank.h"
 #include "backend/cuda/peer_allreduce.h"
-#include "backend/cuda/router_params.h"
 #include "core/rank_threads.h"
 #include "moe/errors.h"
 #include "runtime/block_allocator.h"
 #include "runtime/sequence_table.h"
 
 namespace moe::cuda {
-namespace {
 
-using engine::carve_meta;
-using engine::carve_workspace;
-using engine::Shapes;
-using engine::StepMeta;
-using engine::Workspace;
-
-struct DecodeGraph {
-  int bucket = 0;
-  cudaGraphExec_t exec = nullptr;
-  float* logits = nullptr;   // [bucket, vocab], owned by this graph
-  int32_t* sampled = nullptr;
-};
-
-}  // namespace
+using engine::Rank;
 
 struct Engine::State {
-  ModelConfig config;
-  EngineOptions opts;
-  std::unique_ptr<DeviceModel> model;
-  std::unique_ptr<Blas> blas;
-  cudaStream_t stream = nullptr;
-  DeviceArena workspace_arena, kv_arena, meta_arena, graph_arena;
-  Workspace ws{};
-  StepMeta meta{};
-  char* meta_host = nullptr;  // pinned mirror of meta_arena
-  int64_t max_tokens = 0, max_blocks = 0, logit_rows = 0;
-  int64_t kv_blocks = 0;
-  std::vector<uint16_t*> k_cache, v_cache;
-  // Blocks 1 .. kv_blocks - 1 as allocator blocks 0 .. kv_blocks - 2 (block 0 is the scratch
-  // block of padding rows); rank 0's, for every rank.
+  // Rank r on device opts.device + r; rank 0's step metadata mirror is the one the host writes.
+  std::vector<std::unique_ptr<Rank>> ranks;
+  std::unique_ptr<PeerAllReduce> allreduce;  // several GPUs: sums the ranks' partial outputs
+  std::unique_ptr<RankThreads> threads;      // several GPUs: one host thread per rank
+  // Blocks 1 .. kv_blocks - 1 of every rank's pools as allocator blocks 0 .. kv_blocks - 2
+  // (pool block 0 is the scratch block of padding rows).
   std::unique_ptr<BlockAllocator> blocks;
   std::unique_ptr<SequenceTable> table;  // over `blocks`, which it gives back to as it dies
   runtime::ExecutorLimits limits;
-  std::vector<DecodeGraph> graphs;
-  std::vector<int> buckets;
-  // Profiling: events recorded between operations while `profiling` (never inside a capture).
-  bool profiling = false;
-  // [layers, max_tokens, top_k]: each layer's expert choice of the last step, kept while profiling
-  // or when the options ask for it (tests compare it with the CPU's).
-  int32_t* routed_log = nullptr;
-  int64_t last_tokens = 0;
-  std::vector<cudaEvent_t> marks;
-  std::vector<const char*> mark_names;
-  // Several GPUs: this state is rank `rank` of `ranks`; its partial sums go through `allreduce`.
-  int rank = 0, ranks = 1;
-  bool tp = false;
-  const PeerAllReduce* allreduce = nullptr;
-  bool post_normed = false;  // this layer's post-attention norm was folded into the all-reduce
-  // Rank 0 only: the all-reduce, the other ranks' states and their host threads (destroyed in
-  // reverse order: threads first).
-  std::unique_ptr<PeerAllReduce> allreduce_owner;
-  std::vector<std::unique_ptr<State>> others;
-  std::unique_ptr<RankThreads> threads;
 
   ~State() {
-    // The other ranks first (each on its own device), then this rank's resources with its
-    // device current.
+    // The host threads first, then the other ranks (each on its own device), the all-reduce
+    // between them, and rank 0 last.
     threads.reset();
-    others.clear();
-    allreduce_owner.reset();
-    cudaSetDevice(opts.device);
-    for (cudaEvent_t e : marks) cudaEventDestroy(e);
-    if (routed_log) cudaFree(routed_log);
-    for (DecodeGraph& g : graphs)
-      if (g.exec) cudaGraphExecDestroy(g.exec);
-    if (meta_host) cudaFreeHost(meta_host);
-    if (stream) cudaStreamDestroy(stream);
+    for (size_t r = 1; r < ranks.size(); ++r) ranks[r].reset();
+    allreduce.reset();
+    ranks.clear();
   }
 
-  // This rank's weights, stream, libraries, workspace and step buffers (the KV cache comes
-  // after every rank has loaded: allocate_kv).
-  void setup(const std::string& dir) {
-    const ModelConfig& mc = config;
-    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    DeviceLoad dl{opts.device, opts.random_weights, opts.seed, opts.strict, opts.progress, max_tokens};
-    dl.rank = rank;
-    dl.ranks = ranks;
-    dl.tp = tp;
-    model = load_device_model(dir, mc, dl);
-    blas = std::make_unique<Blas>();
+  Rank& first() { return *ranks.front(); }
+  const Rank& first() const { return *ranks.front(); }
 
-    Shapes shapes{max_tokens, logit_rows, 0, 0};
-    for (const DeviceLayer& L : model->layers)
-      if (L.experts)
-        shapes.experts_ws = std::max<int64_t>(
-            shapes.experts_ws, static_cast<int64_t>(Experts::workspace_bytes(L.experts->shape(), max_tokens)));
-    shapes.attention_ws = static_cast<int64_t>(
-        mc.attention == AttentionKind::kMla
-            ? kernels::latent_attention_workspace_bytes(static_cast<int>(max_tokens), static_cast<int>(mc.num_heads),
-                                                        static_cast<int>(mc.mla.kv_lora_rank), static_cast<int>(opts.max_context))
-            : kernels::paged_attention_workspace_bytes(static_cast<int>(max_tokens), static_cast<int>(mc.num_heads),
-                                                       static_cast<int>(mc.head_dim), static_cast<int>(opts.max_context)));
-    ArenaSizer sizer;
-    carve_workspace(sizer, mc, shapes);
-    workspace_arena = DeviceArena("workspace", sizer.bytes());
-    ws = carve_workspace(workspace_arena, mc, shapes);
-    MOE_CUDA_CHECK(cudaMemset(ws.counter, 0, sizeof(unsigned)));
-
-    ArenaSizer meta_sizer;
-    carve_meta(meta_sizer, max_tokens, opts.max_batch, max_blocks);
-    meta_arena = DeviceArena("step metadata", meta_sizer.bytes());
-    meta = carve_meta(meta_arena, max_tokens, opts.max_batch, max_blocks);
-    MOE_CUDA_CHECK(cudaMallocHost(&meta_host, meta_arena.capacity()));
-
-    for (int b = 1; b < opts.max_batch; b *= 2) buckets.push_back(b);
-    buckets.push_back(opts.max_batch);
-    size_t graph_bytes = 256;
-    for (int b : buckets) graph_bytes += static_cast<size_t>(b) * (static_cast<size_t>(mc.vocab_size) * 4 + 4) + 512;
-    graph_arena = DeviceArena("decode graph outputs", graph_bytes);
-  }
-
-  // KV bytes per block over all layers on this rank: a key pool and a value pool per layer
-  // (GQA: this rank's key/value heads) or one latent pool (MLA).
-  size_t kv_block_bytes(size_t* k_block, size_t* v_block) const {
-    const ModelConfig& mc = config;
-    const bool mla = mc.attention == AttentionKind::kMla;
-    const int64_t kw = mla ? mc.kv_key_width() : model->kv_heads * mc.head_dim;
-    const int64_t vw = mla ? mc.kv_value_width() : model->kv_heads * mc.head_dim;
-    *k_block = static_cast<size_t>(opts.block_size * kw) * 2;
-    *v_block = static_cast<size_t>(opts.block_size * vw) * 2;
-    return (*k_block + *v_block) * static_cast<size_t>(mc.num_layers);
-  }
-
-  // What was asked for, or room for max_batch full contexts within 90% of what is free.
-  int64_t kv_blocks_that_fit() const {
-    size_t k_block = 0, v_block = 0, free = 0, total = 0;
-    const size_t per_block = kv_block_bytes(&k_block, &v_block);
-    MOE_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-    return static_cast<int64_t>(0.9 * static_cast<double>(free) / static_cast<double>(per_block));
-  }
-
-  void allocate_kv(int64_t blocks) {
-    size_t k_block = 0, v_block = 0;
-    const size_t per_block = kv_block_bytes(&k_block, &v_block);
-    kv_blocks = blocks;
-    kv_arena = DeviceArena("KV cache", static_cast<size_t>(blocks) * per_block + 512 * static_cast<size_t>(config.num_layers));
-    for (int64_t l = 0; l < config.num_layers; ++l) {
-      k_cache.push_back(kv_arena.take_n<uint16_t>(static_cast<size_t>(blocks) * k_block / 2));
-      v_cache.push_back(v_block ? kv_arena.take_n<uint16_t>(static_cast<size_t>(blocks) * v_block / 2) : nullptr);
-    }
-    MOE_CUDA_CHECK(cudaMemset(kv_arena.base(), 0, kv_arena.capacity()));
-  }
-
-  // job(rank's state) on every rank at once, each on its own thread with its device current.
-  void each_rank(const std::function<void(State&)>& job) {
+  // job(rank) on every rank at once, each on its own thread with its device current.
+  void each_rank(const std::function<void(Rank&)>& job) {
     auto one = [&](int r) {
-      State& x = r == 0 ? *this : *others[static_cast<size_t>(r - 1)];
+      Rank& x = *ranks[static_cast<size_t>(r)];
       MOE_CUDA_CHECK(cudaSetDevice(x.opts.device));
       job(x);
     };
@@ -176,501 +54,20 @@ struct Engine::State {
     else one(0);
   }
 
-  // Sums a partial [tokens, H] bf16 result over the ranks in place; with `then`, folds the
-  // residual add and norm that follow into the same kernel instead (ranks > 1 only).
-  void all_reduce(uint16_t* rows, int64_t tokens, const PeerAllReduce::AddNorm* then = nullptr) {
-    allreduce->run(rank, rows, tokens, config.hidden_size, stream, then);
-    mark(then ? "all-reduce + residual add + RMSNorm" : "all-reduce");
-  }
-
-  // Whether route() takes the post-attention norm into its one fused launch. It beats the three
-  // separate kernels at 1-2 rows and loses from 4 on (H100, qwen3-30b-a3b decode step: -7% at
-  // batch 1, -10% at 2, +1% at 4, +4% at 8): its one warp per expert (16 blocks for 128
-  // experts) leaves most of the device idle as rows grow.
-  bool fused_router(int64_t tokens) const {
-    constexpr int kFusedRouterMaxRows = 2;
-    return opts.fuse && tokens <= kFusedRouterMaxRows &&
-           kernels::norm_route_supported(static_cast<int>(tokens), static_cast<int>(config.hidden_size));
-  }
-
-  // After a step on this rank's stream: the step's all-reduce waits all completed.
-  void finish_step() {
-    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    if (allreduce) allreduce->check(rank);
-  }
-
-  void mark(const char* name) {
-    if (!profiling) return;
-    const size_t i = mark_names.size();
-    if (i == marks.size()) {
-      cudaEvent_t e = nullptr;
-      MOE_CUDA_CHECK(cudaEventCreate(&e));
-      marks.push_back(e);
-    }
-    // While capturing, an external record becomes a node of the graph and keeps a timestamp.
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    MOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-    if (capturing == cudaStreamCaptureStatusActive)
-      MOE_CUDA_CHECK(cudaEventRecordWithFlags(marks[i], stream, cudaEventRecordExternal));
-    else
-      MOE_CUDA_CHECK(cudaEventRecord(marks[i], stream));
-    mark_names.push_back(name);
-  }
-
-  void allocate_routing_log() {  // a diagnostic buffer, allocated outside any forward
-    if (routed_log) return;
-    const int64_t k = std::max<int64_t>(config.moe.top_k, 1);
-    MOE_CUDA_CHECK(cudaMalloc(&routed_log, static_cast<size_t>(config.num_layers * max_tokens * k) * 4));
-    MOE_CUDA_CHECK(cudaMemset(routed_log, 0xff, static_cast<size_t>(config.num_layers * max_tokens * k) * 4));
-  }
-
-  // Device time between consecutive marks, summed per name (after the stream finished).
-  void collect(OpProfile* profile) {
-    *profile = OpProfile{};
-    for (size_t i = 1; i < mark_names.size(); ++i) {
-      float ms = 0;
-      MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, marks[i - 1], marks[i]));
-      const std::string name = mark_names[i];
-      auto it = std::find_if(profile->seconds.begin(), profile->seconds.end(),
-                             [&](const auto& e) { return e.first == name; });
-      if (it == profile->seconds.end()) {
-        profile->seconds.emplace_back(name, 0.0);
-        it = profile->seconds.end() - 1;
-      }
-      it->second += ms * 1e-3;
-      profile->total += ms * 1e-3;
-    }
-  }
-
-  // Host address of a device meta pointer.
-  template <typename T>
-  T* host(T* device) {
-    return reinterpret_cast<T*>(meta_host + (reinterpret_cast<char*>(device) -
-                                             static_cast<char*>(meta_arena.base())));
-  }
-  void upload_meta() {
-    MOE_CUDA_CHECK(cudaMemcpyAsync(meta_arena.base(), meta_host, meta_arena.used(),
-                                   cudaMemcpyHostToDevice, stream));
-  }
-
-  // The device cache row of the sequence's token at `position` (device block = allocator block + 1).
-  int32_t slot_of(int32_t seq, int64_t position) const {
-    return static_cast<int32_t>(table->slot(seq, position) + opts.block_size);
-  }
   int64_t free_blocks() const { return blocks->free_blocks(); }
-  void write_table(int row, const Sequence* s) {
-    int32_t* t = host(meta.block_tables) + static_cast<int64_t>(row) * max_blocks;
-    std::fill_n(t, max_blocks, 0);  // block 0 is the scratch block of padding rows
-    if (s)
-      for (size_t i = 0; i < s->blocks.size(); ++i) t[i] = s->blocks[i] + 1;
-  }
-  void write_sampling(int row, const SamplingParams& params, int64_t draw) {
-    const SamplingParams p = effective_sampling(params, config.vocab_size);  // as the CPU sampler
-    host(meta.temperature)[row] = p.temperature;
-    host(meta.top_k)[row] = p.top_k;
-    host(meta.top_p)[row] = p.top_p;
-    host(meta.seed)[row] = p.seed;
-    host(meta.step)[row] = static_cast<int32_t>(draw);
-  }
-
-  // Multi-head latent attention in the absorbed form: keys and values never leave the latent
-  // space; each head's key projection folds into its query and its value projection applies
-  // after the attention (per-head batched products).
-  void latent_attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max_context) {
-    const ModelConfig& c = config;
-    const MlaConfig& m = c.mla;
-    const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
-    const int64_t heads = model->q_heads, nope = m.qk_nope_head_dim, rope = m.qk_rope_head_dim;
-    const int64_t lora = m.kv_lora_rank, vd = m.v_head_dim, qk = m.qk_head_dim();
-    constexpr float kLatentNormEps = 1e-6f;  // transformers builds these norms with its default
-    if (L.q_a) {
-      blas->linear(ws.h, L.q_a, ws.mla_qa, OutType::kF32, tokens, m.q_lora_rank, c.hidden_size, stream);
-      MOE_CUDA_CHECK(kernels::rms_norm(ws.mla_qa, L.q_a_norm, static_cast<int>(tokens),
-                                       static_cast<int>(m.q_lora_rank), kLatentNormEps, ws.mla_qa_normed, stream));
-      blas->linear(ws.mla_qa_normed, L.q_b, ws.qkv, OutType::kF32, tokens, heads * qk, m.q_lora_rank, stream);
-    } else {
-      blas->linear(ws.h, L.q, ws.qkv, OutType::kF32, tokens, heads * qk, c.hidden_size, stream);
-    }
-    blas->linear(ws.h, L.kv_a, ws.mla_kv, OutType::kF32, tokens, lora + rope, c.hidden_size, stream);
-    mark("q and latent projections");
-    kernels::LatentCacheParams lc;
-    lc.kv = ws.mla_kv;
-    lc.norm_weight = L.kv_a_norm;
-    lc.eps = kLatentNormEps;
-    lc.inv_freq = model->inv_freq;
-    lc.rope_scale = model->rope_cos_sin_scale;
-    lc.positions = meta.positions;
-    lc.slots = meta.slots;
-    lc.cache = k_cache[static_cast<size_t>(l)];
-    lc.tokens = static_cast<int>(tokens);
-    lc.lora = static_cast<int>(lora);
-    lc.rope = static_cast<int>(rope);
-    MOE_CUDA_CHECK(kernels::prepare_latent(lc, stream));
-    kernels::MlaQParams mq;
-    mq.q = ws.qkv;
-    mq.inv_freq = model->inv_freq;
-    mq.rope_scale = model->rope_cos_sin_scale;
-    mq.positions = meta.positions;
-    mq.q_nope = ws.mla_q_nope;
-    mq.q_full = ws.q;
-    mq.tokens = lc.tokens;
-    mq.heads = static_cast<int>(heads);
-    mq.nope = static_cast<int>(nope);
-    mq.rope = lc.rope;
-    mq.lora = lc.lora;
-    MOE_CUDA_CHECK(kernels::prepare_mla_q(mq, stream));
-    mark("latent norm, rope, cache write");
-    blas->linear_batched(ws.mla_q_nope, heads * nope, nope, L.uk_t, lora * nope, ws.q, OutType::kBf16,
-                         heads * (lora + rope), lora + rope, tokens, lora, nope, heads, stream);
-    mark("absorbed key projection");
-    kernels::LatentAttentionParams a;
-    a.q = ws.q;
-    a.cache = lc.cache;
-    a.block_tables = meta.block_tables;
-    a.seq_starts = meta.seq_starts;
-    a.context_lens = meta.context_lens;
-    a.num_seqs = static_cast<int>(seqs);
-    a.tokens = lc.tokens;
-    a.heads = mq.heads;
-    a.lora = lc.lora;
-    a.rope = lc.rope;
-    a.block_size = opts.block_size;
-    a.max_blocks_per_seq = static_cast<int>(max_blocks);
-    a.max_context = static_cast<int>(max_context);
-    a.scale = c.softmax_scale_factor / std::sqrt(static_cast<float>(qk));
-    a.out = ws.mla_o_lat;
-    a.workspace = ws.attention;
-    MOE_CUDA_CHECK(kernels::latent_attention(a, stream));
-    mark("attention");
-    blas->linear_batched(ws.mla_o_lat, heads * lora, lora, L.uv, (nope + vd) * lora, ws.attn, OutType::kBf16,
-                         heads * vd, vd, tokens, vd, lora, heads, stream);
-    mark("absorbed value projection");
-    blas->linear(ws.attn, L.o, ws.branch, OutType::kBf16, tokens, c.hidden_size, heads * vd, stream);
-    mark("o projection");
-    sum_head_shares(L, tokens);
-  }
-
-  void attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max_context) {
-    const ModelConfig& c = config;
-    if (c.attention == AttentionKind::kMla) return latent_attention(l, tokens, seqs, max_context);
-    const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
-    const int64_t hd = c.head_dim, qw = model->q_heads * hd, kw = model->kv_heads * hd;
-    const int64_t qkvw = qw + 2 * kw;
-    if (L.qkv_fused) {
-      blas->linear(ws.h, L.q, ws.qkv, OutType::kF32, tokens, qkvw, c.hidden_size, stream);
-    } else {
-      blas->linear(ws.h, L.q, ws.qkv, OutType::kF32, tokens, qw, c.hidden_size, stream, qkvw);
-      blas->linear(ws.h, L.k, ws.qkv + qw, OutType::kF32, tokens, kw, c.hidden_size, stream, qkvw);
-      blas->linear(ws.h, L.v, ws.qkv + qw + kw, OutType::kF32, tokens, kw, c.hidden_size, stream, qkvw);
-    }
-    mark("qkv projection");
-    kernels::QkvParams p;
-    p.tokens = static_cast<int>(tokens);
-    p.q_heads = static_cast<int>(model->q_heads);
-    p.kv_heads = static_cast<int>(model->kv_heads);
-    p.head_dim = static_cast<int>(hd);
-    p.bias = L.qkv_bias;
-    p.qk_norm = c.qk_norm == QkNorm::kNone ? 0 : c.qk_norm == QkNorm::kPerHead ? 1 : 2;
-    p.q_norm = L.q_norm;
-    p.k_norm = L.k_norm;
-    p.eps = c.rms_norm_eps;
-    p.clip = c.clip_qkv;
-    p.rope_half = c.rope_style == RopeStyle::kHalf ? 1 : 0;
-    p.rot_dim = static_cast<int>(hd);
-    p.inv_freq = model->inv_freq;
-    p.rope_scale = model->rope_cos_sin_scale;
-    p.positions = meta.positions;
-    p.slots = meta.slots;
-    p.k_cache = k_cache[static_cast<size_t>(l)];
-    p.v_cache = v_cache[static_cast<size_t>(l)];
-    p.q_out = ws.q;
-    MOE_CUDA_CHECK(kernels::prepare_qkv(ws.qkv, p, stream));
-    mark("qk norm, rope, KV write");
-    kernels::PagedAttentionParams a;
-    a.q = ws.q;
-    a.k_cache = p.k_cache;
-    a.v_cache = p.v_cache;
-    a.block_tables = meta.block_tables;
-    a.seq_starts = meta.seq_starts;
-    a.context_lens = meta.context_lens;
-    a.num_seqs = static_cast<int>(seqs);
-    a.tokens = static_cast<int>(tokens);
-    a.q_heads = p.q_heads;
-    a.kv_heads = p.kv_heads;
-    a.head_dim = p.head_dim;
-    a.block_size = opts.block_size;
-    a.max_blocks_per_seq = static_cast<int>(max_blocks);
-    a.max_context = static_cast<int>(max_context);
-    a.scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    a.out = ws.attn;
-    a.workspace = ws.attention;
-    MOE_CUDA_CHECK(kernels::paged_attention(a, stream));
-    mark("attention");
-    blas->linear(ws.attn, L.o, ws.branch, OutType::kBf16, tokens, c.hidden_size, qw, stream);
-    mark("o projection");
-    sum_head_shares(L, tokens);
-  }
-
-  // Under tp each rank's output projection covers its heads only: sum the shares over the
-  // ranks, and where the router does not fold the post-attention norm itself, fold it into the sum.
-  void sum_head_shares(const DeviceLayer& L, int64_t tokens) {
-    if (!tp) return;
-    if (opts.fuse && !(L.sparse && fused_router(tokens))) {
-      const PeerAllReduce::AddNorm norm{ws.x, nullptr, L.post_norm, config.rms_norm_eps, ws.h};
-      all_reduce(ws.branch, tokens, &norm);
-      post_normed = true;
-    } else {
-      all_reduce(ws.branch, tokens);
-    }
-  }
-
-  // The router's input: the post-attention residual add and norm, then its projection and the
-  // top-k choice; one fused launch for a few rows (decode), three kernels otherwise.
-  void route(int64_t l, int64_t tokens) {
-    const ModelConfig& c = config;
-    const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
-    const RouterConfig& rc = c.moe.router;
-    const int t = static_cast<int>(tokens), hidden = static_cast<int>(c.hidden_size);
-    kernels::RouterParams rp = kernels::router_params(rc, L.router_bias);
-    if (ranks > 1) {  // the experts take this rank's indices
-      rp.local_ids = ws.local_ids;
-      rp.local_first = static_cast<int>(model->first_expert);
-      rp.local_count = static_cast<int>(model->local_experts);
-    }
-    if (!post_normed && fused_router(tokens)) {
-      kernels::NormRouteParams q;
-      q.x = ws.x;
-      q.branch = ws.branch;
-      q.norm_weight = L.post_norm;
-      q.eps = c.rms_norm_eps;
-      q.normed = ws.h;
-      q.router_weight = L.router;
-      q.logits = ws.router_logits;
-      q.counter = ws.counter;
-      q.hidden = hidden;
-      MOE_CUDA_CHECK(kernels::norm_route(q, rp, t, ws.topk_ids, ws.topk_weights, stream));
-      mark("residual add + RMSNorm + route");
-      return;
-    }
-    if (!post_normed) {
-      MOE_CUDA_CHECK(kernels::add_rms_norm(ws.x, ws.branch, nullptr, L.post_norm, t, hidden,
-                                           c.rms_norm_eps, ws.h, stream));
-      mark("residual add + RMSNorm");
-    }
-    blas->linear(ws.h, L.router, ws.router_logits, OutType::kF32, tokens, rc.num_experts, hidden, stream);
-    mark("router projection");
-    MOE_CUDA_CHECK(kernels::route(ws.router_logits, rp, t, ws.topk_ids, ws.topk_weights, stream));
-    mark("route (top-k)");
-  }
-
-  // Writes the layer's feed-forward output to ws.branch (and ws.branch2); returns whether
-  // branch2 holds a shared expert's output. Where the routed experts are the layer's last
-  // operation and another layer follows, their last kernel also adds the output to the residual
-  // stream and applies that layer's input norm (into ws.h); *next_normed says so.
-  bool feed_forward(int64_t l, int64_t tokens, bool* next_normed) {
-    const ModelConfig& c = config;
-    const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
-    const int64_t hidden = c.hidden_size;
-    const int t = static_cast<int>(tokens);
-    if (!L.sparse) {
-      const int64_t inter = c.intermediate_size;
-      blas->linear(ws.h, L.mlp_gate_up, ws.ffn_gate_up, OutType::kBf16, tokens, 2 * inter, hidden, stream);
-      MOE_CUDA_CHECK(kernels::silu_mul(ws.ffn_gate_up, t, static_cast<int>(inter), ws.ffn_act, stream));
-      blas->linear(ws.ffn_act, L.mlp_down, ws.branch, OutType::kBf16, tokens, hidden, inter, stream);
-      mark("dense MLP");
-      return false;
-    }
-    const RouterConfig& rc = c.moe.router;
-    route(l, tokens);
-    if ((profiling || opts.record_routing) && routed_log)
-      MOE_CUDA_CHECK(cudaMemcpyAsync(routed_log + l * max_tokens * rc.top_k, ws.topk_ids,
-                                     static_cast<size_t>(tokens * rc.top_k) * 4, cudaMemcpyDeviceToDevice, stream));
-    if (ranks > 1) {
-      // This rank's experts on every token (route() wrote their local indices), the others'
-      // slots skipped; the shared expert (whole on every rank) before the sum, so that the next
-      // layer's input norm folds into it.
-      L.experts->forward(ws.h, ws.local_ids, ws.topk_weights, tokens, ws.branch, ws.experts, stream);
-      mark("routed experts");
-      const bool shared = L.shared_gate_up && shared_expert(l, tokens);
-      if (opts.fuse && l + 1 < c.num_layers) {
-        const PeerAllReduce::AddNorm norm{ws.x, shared ? ws.branch2 : nullptr,
-                                          model->layers[static_cast<size_t>(l + 1)].input_norm, c.rms_norm_eps, ws.h};
-        all_reduce(ws.branch, tokens, &norm);
-        *next_normed = true;
-        return false;
-      }
-      all_reduce(ws.branch, tokens);
-      return shared;
-    } else if (opts.fuse && !L.shared_gate_up && l + 1 < c.num_layers) {
-      // ws.h is both the experts' input and the folded norm's output: the combine writes it only
-      // after the expert GEMMs, which read it, have completed (stream order).
-      Experts::NextNorm next{ws.x, model->layers[static_cast<size_t>(l + 1)].input_norm, c.rms_norm_eps, ws.h};
-      L.experts->forward_then_norm(ws.h, ws.topk_ids, ws.topk_weights, tokens, next, ws.experts, stream);
-      *next_normed = true;
-      mark("routed experts + residual add + RMSNorm");
-      return false;
-    } else {
-      L.experts->forward(ws.h, ws.topk_ids, ws.topk_weights, tokens, ws.branch, ws.experts, stream);
-      mark("routed experts");
-    }
-    return L.shared_gate_up && shared_expert(l, tokens);
-  }
-
-  // The layer's shared expert into ws.branch2 (gated where the model gates it); returns true.
-  bool shared_expert(int64_t l, int64_t tokens) {
-    const ModelConfig& c = config;
-    const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
-    const int64_t hidden = c.hidden_size;
-    const int t = static_cast<int>(tokens);
-    const int64_t inter = c.moe.shared_intermediate;
-    blas->linear(ws.h, L.shared_gate_up, ws.ffn_gate_up, OutType::kBf16, tokens, 2 * inter, hidden, stream);
-    MOE_CUDA_CHECK(kernels::silu_mul(ws.ffn_gate_up, t, static_cast<int>(inter), ws.ffn_act, stream));
-    blas->linear(ws.ffn_act, L.shared_down, ws.branch2, OutType::kBf16, tokens, hidden, inter, stream);
-    if (L.shared_gate) {
-      blas->linear(ws.h, L.shared_gate, ws.shared_gate, OutType::kF32, tokens, 1, hidden, stream);
-      MOE_CUDA_CHECK(kernels::sigmoid_scale_rows(ws.branch2, ws.shared_gate, t, static_cast<int>(hidden), stream));
-    }
-    mark("shared expert");
-    return true;
-  }
-
-  // Every layer for `tokens` rows of `seqs` sequences whose metadata is on the device; leaves
-  // the final residual stream in ws.x.
-  void run_layers(int64_t tokens, int64_t seqs, int64_t max_context) {
-    const ModelConfig& c = config;
-    const int t = static_cast<int>(tokens), hidden = static_cast<int>(c.hidden_size);
-    mark("host: step metadata, waits");
-    MOE_CUDA_CHECK(kernels::embed(model->embed, meta.ids, t, hidden, static_cast<int>(c.vocab_size), ws.x, stream));
-    mark("embedding");
-    bool has_branch = false, has_branch2 = false, normed = false;
-    for (int64_t l = 0; l < c.num_layers; ++l) {
-      const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
-      if (!normed) {
-        MOE_CUDA_CHECK(kernels::add_rms_norm(ws.x, has_branch ? ws.branch : nullptr,
-                                             has_branch2 ? ws.branch2 : nullptr, L.input_norm, t,
-                                             hidden, c.rms_norm_eps, ws.h, stream));
-        mark("residual add + RMSNorm");
-      }
-      post_normed = false;
-      attention(l, tokens, seqs, max_context);
-      normed = false;
-      if (!L.sparse && !post_normed) {
-        MOE_CUDA_CHECK(kernels::add_rms_norm(ws.x, ws.branch, nullptr, L.post_norm, t, hidden,
-                                             c.rms_norm_eps, ws.h, stream));
-        mark("residual add + RMSNorm");
-      }
-      has_branch2 = feed_forward(l, tokens, &normed);
-      has_branch = !normed;
-    }
-    MOE_CUDA_CHECK(kernels::add_rms_norm(ws.x, ws.branch, has_branch2 ? ws.branch2 : nullptr,
-                                         nullptr, t, hidden, c.rms_norm_eps, nullptr, stream));
-    mark("residual add + RMSNorm");
-  }
-
-  // Final norm and lm_head for rows [first, first + rows) of ws.x into `logits`; with `sampled`,
-  // one token per row drawn with the step's sampling rows 0.. rows - 1.
-  void head(int64_t first, int64_t rows, float* logits, int32_t* sampled) {
-    const ModelConfig& c = config;
-    MOE_CUDA_CHECK(kernels::rms_norm(ws.x + first * c.hidden_size, model->final_norm,
-                                     static_cast<int>(rows), static_cast<int>(c.hidden_size),
-                                     c.rms_norm_eps, ws.normed, stream));
-    mark("residual add + RMSNorm");
-    blas->linear(ws.normed, model->lm_head, logits, OutType::kF32, rows, c.vocab_size, c.hidden_size, stream);
-    mark("lm_head");
-    if (!sampled) return;
-    kernels::SampleParams sp{meta.temperature, meta.top_k, meta.top_p, meta.seed, meta.step,
-                             static_cast<int>(c.vocab_size)};
-    const int64_t drawn = opts.sampled_vocab > 0 ? std::min(opts.sampled_vocab, c.vocab_size) : c.vocab_size;
-    MOE_CUDA_CHECK(kernels::sample_rows(logits, sp, static_cast<int>(rows), static_cast<int>(drawn),
-                                        sampled, stream));
-    mark("sampling");
-  }
-
-  DecodeGraph& graph_for(int bucket) {
-    for (DecodeGraph& g : graphs)
-      if (g.bucket == bucket) return g;
-    DecodeGraph g;
-    g.bucket = bucket;
-    g.logits = graph_arena.take_n<float>(static_cast<size_t>(bucket * config.vocab_size));
-    g.sampled = graph_arena.take_n<int32_t>(static_cast<size_t>(bucket));
-    // Warm up on padding rows only (library plans, module loading happen outside the capture),
-    // then capture the same step.
-    fill_padding(0, bucket);
-    upload_meta();
-    run_layers(bucket, bucket, opts.max_context);
-    if (rank == 0) head(0, bucket, g.logits, g.sampled);
-    finish_step();
-    cudaGraph_t graph = nullptr;
-    MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    try {
-      run_layers(bucket, bucket, opts.max_context);
-      if (rank == 0) head(0, bucket, g.logits, g.sampled);
-    } catch (...) {
-      cudaStreamEndCapture(stream, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      throw;
-    }
-    MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    cudaError_t err = cudaGraphInstantiate(&g.exec, graph, 0);
-    cudaGraphDestroy(graph);
-    MOE_CUDA_CHECK(err);
-    graphs.push_back(g);
-    return graphs.back();
-  }
-
-  // The step as a graph with an event between operations (rank 0's), replayed twice (the first
-  // warms up), so the times are those of graph replay, without eager launch gaps.
-  void profiled_step(int bucket, float* logits, int32_t* sampled) {
-    mark_names.clear();
-    if (rank == 0) allocate_routing_log();
-    cudaGraph_t graph = nullptr;
-    MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    profiling = rank == 0;
-    try {
-      run_layers(bucket, bucket, opts.max_context);
-      if (rank == 0) head(0, bucket, logits, sampled);
-    } catch (...) {
-      profiling = false;
-      cudaStreamEndCapture(stream, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      throw;
-    }
-    profiling = false;
-    MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);
-    MOE_CUDA_CHECK(err);
-    for (int replay = 0; replay < 2; ++replay) MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    cudaGraphExecDestroy(exec);
-  }
-
-  // Rows [from, to) of a decode step: one token each that writes no KV (slot -1) and attends to
-  // the zeroed scratch block 0, so padding computes on finite values and touches no sequence.
-  void fill_padding(int from, int to) {
-    for (int r = from; r < to; ++r) {
-      host(meta.ids)[r] = 0;
-      host(meta.positions)[r] = 0;
-      host(meta.slots)[r] = -1;
-      host(meta.seq_starts)[r] = r;
-      host(meta.context_lens)[r] = 1;
-      write_table(r, nullptr);
-      write_sampling(r, SamplingParams{}, 0);
-    }
-    host(meta.seq_starts)[to] = to;
-  }
 };
 
 Engine::Engine() : s_(std::make_unique<State>()) {}
 Engine::~Engine() = default;
 
-const ModelConfig& Engine::config() const { return s_->config; }
-const EngineOptions& Engine::options() const { return s_->opts; }
+const ModelConfig& Engine::config() const { return s_->first().config; }
+const EngineOptions& Engine::options() const { return s_->first().opts; }
 
-std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions& options) {
-  ModelConfig mc = load_model_config(dir);
-  check_cuda_supported(mc);
+namespace {
+
+// The options checked against the model and this machine, with their defaults filled in; throws
+// before anything is allocated.
+EngineOptions checked_options(const ModelConfig& mc, const EngineOptions& options) {
   EngineOptions o = options;
   MOE_CHECK(o.max_batch >= 1 && o.max_batch <= 1024, kInvalidArgument,
             "max batch {} must be in [1, 1024]", o.max_batch);
@@ -690,42 +87,39 @@ std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions
     MOE_THROW(kUnsupported, "--tp {} --ep {} needs {} GPUs from device {}; this machine has {}", o.tp, o.ep,
               ranks, o.device, count);
   }
+  return o;
+}
+
+}  // namespace
+
+std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions& options) {
+  ModelConfig mc = load_model_config(dir);
+  check_cuda_supported(mc);
+  const EngineOptions o = checked_options(mc, options);
+  const int ranks = engine_ranks(o.tp, o.ep);
+  const int64_t max_tokens = engine::step_rows(o);
   std::unique_ptr<Engine> engine(new Engine());
   State& s = *engine->s_;
-  const int64_t max_tokens = std::max<int64_t>(o.max_step_tokens, o.max_batch);
   if (ranks > 1) {
     std::vector<int> devices;
     for (int r = 0; r < ranks; ++r) devices.push_back(o.device + r);
-    s.allreduce_owner = std::make_unique<PeerAllReduce>(devices, max_tokens * mc.hidden_size);
-    for (int r = 1; r < ranks; ++r) s.others.push_back(std::make_unique<State>());
-    s.threads = std::make_unique<RankThreads>(ranks);
+    s.allreduce = std::make_unique<PeerAllReduce>(devices, max_tokens * mc.hidden_size);
   }
-  for (int r = 0; r < ranks; ++r) {
-    State& x = r == 0 ? s : *s.others[static_cast<size_t>(r - 1)];
-    x.config = mc;
-    x.opts = o;
-    x.opts.device = o.device + r;
-    x.opts.progress = o.progress && r == 0;
-    x.rank = r;
-    x.ranks = ranks;
-    x.tp = o.tp > 1;
-    x.allreduce = s.allreduce_owner.get();
-    x.max_tokens = max_tokens;
-    x.max_blocks = (o.max_context + o.block_size - 1) / o.block_size;
-    x.logit_rows = std::max<int64_t>(o.max_batch, 64);
-  }
+  for (int r = 0; r < ranks; ++r) s.ranks.push_back(std::make_unique<Rank>(mc, o, r, ranks, s.allreduce.get()));
+  if (ranks > 1) s.threads = std::make_unique<RankThreads>(ranks);
   // Every rank loads its share at once; then the KV cache takes the same number of blocks on
   // each (block ids are shared), as many as the fullest GPU allows.
   std::vector<int64_t> fits(static_cast<size_t>(ranks));
-  s.each_rank([&](State& x) {
+  s.each_rank([&](Rank& x) {
     x.setup(dir);
     fits[static_cast<size_t>(x.rank)] = x.kv_blocks_that_fit();
   });
   int64_t blocks = o.kv_blocks;
-  if (blocks <= 0) blocks = std::min<int64_t>(o.max_batch * s.max_blocks + 1, *std::min_element(fits.begin(), fits.end()));
+  if (blocks <= 0)
+    blocks = std::min<int64_t>(o.max_batch * s.first().max_blocks + 1, *std::min_element(fits.begin(), fits.end()));
   MOE_CHECK(blocks >= 2, kInvalidArgument, "GPU memory: no room for the KV cache ({} blocks)", blocks);
-  s.each_rank([&](State& x) { x.allocate_kv(blocks); });
-  if (o.record_routing) s.allocate_routing_log();
+  s.each_rank([&](Rank& x) { x.allocate_kv(blocks); });
+  if (o.record_routing) s.first().allocate_routing_log();
   s.blocks = std::make_unique<BlockAllocator>(blocks - 1, o.block_size);
   s.table = std::make_unique<SequenceTable>(*s.blocks, o.max_batch, o.max_context, o.prefix_reuse);
   s.limits = {o.max_batch, o.max_context, o.block_size, blocks - 1, mc.vocab_size};
@@ -750,10 +144,12 @@ using State = Engine::State;
 
 // Runs `ids` after sequence `seq`'s cached tokens (in chunks of max_step_tokens) and draws its
 // next token as draw number `draw`.
-int32_t run_prefill(Engine::State& s, int32_t seq, std::span<const int32_t> ids, const SamplingParams& params,
+int32_t run_prefill(State& s, int32_t seq, std::span<const int32_t> ids, const SamplingParams& params,
                     int64_t draw, Tensor* logits, bool all_logits, OpProfile* profile) {
-  const ModelConfig& c = s.config;
-  MOE_CUDA_CHECK(cudaSetDevice(s.opts.device));  // the caller's thread may not be the loader's
+  Rank& s0 = s.first();
+  const ModelConfig& c = s0.config;
+  const EngineOptions& o = s0.opts;
+  MOE_CUDA_CHECK(cudaSetDevice(o.device));  // the caller's thread may not be the loader's
   validate_sampling(params);
   const Sequence& q = s.table->at(seq);
   const int64_t n = static_cast<int64_t>(ids.size());
@@ -766,49 +162,26 @@ int32_t run_prefill(Engine::State& s, int32_t seq, std::span<const int32_t> ids,
   const int64_t start = q.length;
   // Profiled prefill runs as usual (eagerly): its kernels are long enough that launch gaps
   // between them are small. A mark before the first chunk starts the clock.
-  s.mark_names.clear();
-  s.profiling = profile != nullptr;
-  s.mark("begin");
-  for (int64_t c0 = 0; c0 < n; c0 += s.opts.max_step_tokens) {
-    const int64_t c1 = std::min(n, c0 + s.opts.max_step_tokens), rows = c1 - c0;
+  s0.begin_profile(profile != nullptr);
+  for (int64_t c0 = 0; c0 < n; c0 += o.max_step_tokens) {
+    const int64_t c1 = std::min(n, c0 + o.max_step_tokens), rows = c1 - c0;
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t pos = start + c0 + i;
-      s.host(s.meta.ids)[i] = ids[static_cast<size_t>(c0 + i)];
-      s.host(s.meta.positions)[i] = static_cast<int32_t>(pos);
-      s.host(s.meta.slots)[i] = s.slot_of(seq, pos);
+      s0.set_token(i, ids[static_cast<size_t>(c0 + i)], pos, s.table->slot(seq, pos));
     }
-    s.host(s.meta.seq_starts)[0] = 0;
-    s.host(s.meta.seq_starts)[1] = static_cast<int32_t>(rows);
-    s.host(s.meta.context_lens)[0] = static_cast<int32_t>(start + c1);
-    s.write_table(0, &q);
-    s.write_sampling(0, params, draw);
-    const size_t meta_bytes = s.meta_arena.used();
-    s.each_rank([&](State& x) {
-      if (x.rank > 0) std::memcpy(x.meta_host, s.meta_host, meta_bytes);
-      x.upload_meta();
-      x.last_tokens = rows;
-      x.run_layers(rows, 1, start + c1);
-      if (x.rank == 0) {  // every rank holds the same final rows; rank 0 alone reads them out
-        if (logits && all_logits)
-          for (int64_t r0 = 0; r0 < rows; r0 += x.logit_rows) {
-            const int64_t r = std::min(x.logit_rows, rows - r0);
-            x.head(r0, r, x.ws.logits, nullptr);
-            MOE_CUDA_CHECK(cudaMemcpyAsync(logits->data<float>() + (c0 + r0) * c.vocab_size, x.ws.logits,
-                                           static_cast<size_t>(r * c.vocab_size) * 4, cudaMemcpyDeviceToHost,
-                                           x.stream));
-          }
-        if (c1 == n) x.head(rows - 1, 1, x.ws.logits, x.ws.sampled);
-      }
-      // The next chunk's metadata overwrites the pinned buffer: wait for this chunk's copy.
-      x.finish_step();
+    s0.set_segment(0, 0, start + c1, q.blocks, params, draw);
+    s0.end_segments(1, rows);
+    float* rows_out = logits && all_logits ? logits->data<float>() + c0 * c.vocab_size : nullptr;
+    s.each_rank([&](Rank& x) {
+      x.upload_meta_from(s0);
+      x.eager_step(rows, start + c1, rows_out, c1 == n);
     });
   }
-  s.profiling = false;
-  if (profile) s.collect(profile);
+  s0.end_profile(profile);
   int32_t next = 0;
-  MOE_CUDA_CHECK(cudaMemcpy(&next, s.ws.sampled, 4, cudaMemcpyDeviceToHost));
+  MOE_CUDA_CHECK(cudaMemcpy(&next, s0.ws.sampled, 4, cudaMemcpyDeviceToHost));
   if (logits && !all_logits)
-    MOE_CUDA_CHECK(cudaMemcpy(logits->data<float>(), s.ws.logits, static_cast<size_t>(c.vocab_size) * 4,
+    MOE_CUDA_CHECK(cudaMemcpy(logits->data<float>(), s0.ws.logits, static_cast<size_t>(c.vocab_size) * 4,
                               cudaMemcpyDeviceToHost));
   s.table->append(seq, ids);
   return next;
@@ -816,14 +189,16 @@ int32_t run_prefill(Engine::State& s, int32_t seq, std::span<const int32_t> ids,
 
 // One decode step of sequences `seqs`, each taking one token and drawing its next as draw
 // number draws[i].
-std::vector<int32_t> run_decode(Engine::State& s, const Engine& engine, std::span<const int32_t> seqs,
-                                std::span<const int32_t> tokens, std::span<const SamplingParams> params,
-                                std::span<const int64_t> draws, OpProfile* profile) {
-  const ModelConfig& c = s.config;
-  MOE_CUDA_CHECK(cudaSetDevice(s.opts.device));
+std::vector<int32_t> run_decode(State& s, std::span<const int32_t> seqs, std::span<const int32_t> tokens,
+                                std::span<const SamplingParams> params, std::span<const int64_t> draws,
+                                OpProfile* profile) {
+  Rank& s0 = s.first();
+  const ModelConfig& c = s0.config;
+  const EngineOptions& o = s0.opts;
+  MOE_CUDA_CHECK(cudaSetDevice(o.device));
   const int64_t b = static_cast<int64_t>(seqs.size());
-  MOE_CHECK(b >= 1 && b <= s.opts.max_batch, kInvalidArgument,
-            "a decode step takes 1 to {} sequences, got {}", s.opts.max_batch, b);
+  MOE_CHECK(b >= 1 && b <= o.max_batch, kInvalidArgument,
+            "a decode step takes 1 to {} sequences, got {}", o.max_batch, b);
   MOE_CHECK(tokens.size() == seqs.size() && params.size() == seqs.size() && draws.size() == seqs.size(),
             kInvalidArgument, "decode: {} sequences but {} tokens and {} sampling settings", b, tokens.size(),
             params.size());
@@ -836,65 +211,38 @@ std::vector<int32_t> run_decode(Engine::State& s, const Engine& engine, std::spa
     const int32_t t = tokens[static_cast<size_t>(i)];
     MOE_CHECK(t >= 0 && t < c.vocab_size, kInvalidArgument, "token id {} is outside the vocabulary [0, {})", t, c.vocab_size);
     validate_sampling(params[static_cast<size_t>(i)]);
-    MOE_CHECK(q.length + 1 <= s.opts.max_context, kInvalidArgument,
-              "context full: sequence {} holds {} tokens, the context is {}", id, q.length, s.opts.max_context);
+    MOE_CHECK(q.length + 1 <= o.max_context, kInvalidArgument,
+              "context full: sequence {} holds {} tokens, the context is {}", id, q.length, o.max_context);
     blocks += s.table->blocks_needed(id, 1);
   }
   MOE_CHECK(blocks <= s.free_blocks(), kInvalidArgument, "KV cache full: {} more blocks needed, {} free",
             blocks, s.free_blocks());
-  int bucket = s.buckets.back();
-  for (int candidate : s.buckets)
-    if (candidate >= b) {
-      bucket = candidate;
-      break;
-    }
+  const int bucket = s0.bucket_for(b);
   for (int64_t i = 0; i < b; ++i) s.table->reserve(seqs[static_cast<size_t>(i)], 1);
   // The bucket's graph first: capturing it (on first use) runs on padding metadata, so the real
   // rows are written after it, once.
-  const bool use_graph = s.opts.graphs && !profile;
-  if (use_graph) s.each_rank([&](State& x) { x.graph_for(bucket); });
+  const bool use_graph = o.graphs && !profile;
+  if (use_graph) s.each_rank([&](Rank& x) { x.graph_for(bucket); });
   for (int64_t i = 0; i < b; ++i) {
     const int32_t seq = seqs[static_cast<size_t>(i)];
     const Sequence& q = s.table->at(seq);
     const int r = static_cast<int>(i);
-    s.host(s.meta.ids)[r] = tokens[static_cast<size_t>(i)];
-    s.host(s.meta.positions)[r] = static_cast<int32_t>(q.length);
-    s.host(s.meta.slots)[r] = s.slot_of(seq, q.length);
-    s.host(s.meta.seq_starts)[r] = r;
-    s.host(s.meta.context_lens)[r] = static_cast<int32_t>(q.length + 1);
-    s.write_table(r, &q);
-    s.write_sampling(r, params[static_cast<size_t>(i)], draws[static_cast<size_t>(i)]);
+    s0.set_token(r, tokens[static_cast<size_t>(i)], q.length, s.table->slot(seq, q.length));
+    s0.set_segment(r, r, q.length + 1, q.blocks, params[static_cast<size_t>(i)], draws[static_cast<size_t>(i)]);
   }
-  s.fill_padding(static_cast<int>(b), bucket);
-  const size_t meta_bytes = s.meta_arena.used();
+  s0.fill_padding(static_cast<int>(b), bucket);
+  const engine::DecodeRun how =
+      use_graph ? engine::DecodeRun::kGraph : profile ? engine::DecodeRun::kProfiled : engine::DecodeRun::kEager;
   std::vector<int32_t> out(static_cast<size_t>(b));
-  s.each_rank([&](State& x) {
-    if (x.rank > 0) std::memcpy(x.meta_host, s.meta_host, meta_bytes);
-    x.upload_meta();
-    x.last_tokens = b;
-    float* logits = x.ws.logits;
-    int32_t* sampled = x.ws.sampled;
-    if (use_graph) {
-      const DecodeGraph& g = x.graph_for(bucket);
-      MOE_CUDA_CHECK(cudaGraphLaunch(g.exec, x.stream));
-      logits = g.logits;
-      sampled = g.sampled;
-    } else if (profile) {
-      x.profiled_step(bucket, logits, sampled);
-    } else {
-      x.run_layers(bucket, bucket, x.opts.max_context);
-      if (x.rank == 0) x.head(0, bucket, logits, sampled);
-    }
-    if (x.rank == 0)
-      MOE_CUDA_CHECK(cudaMemcpyAsync(out.data(), sampled, static_cast<size_t>(b) * 4, cudaMemcpyDeviceToHost, x.stream));
-    x.finish_step();
+  s.each_rank([&](Rank& x) {
+    x.upload_meta_from(s0);
+    x.decode_step(b, bucket, how, out.data());
   });
   for (int64_t i = 0; i < b; ++i) s.table->append(seqs[static_cast<size_t>(i)], tokens.subspan(static_cast<size_t>(i), 1));
   if (profile) {
-    s.collect(profile);
+    s0.collect(profile);
     const int64_t k = std::max<int64_t>(c.moe.top_k, 1);
-    s.last_tokens = b;
-    const std::vector<int32_t> routed = engine.last_routing();
+    const std::vector<int32_t> routed = s0.routing();
     for (int64_t l = 0; l < c.num_layers; ++l) {
       std::vector<bool> used(static_cast<size_t>(std::max<int64_t>(c.moe.num_experts, 1)), false);
       int touched = 0;
@@ -925,7 +273,7 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t> seqs, std::span<con
                                     std::span<const SamplingParams> params, OpProfile* profile) {
   std::vector<int64_t> draws;
   for (int32_t seq : seqs) draws.push_back(s_->table->at(seq).draws);
-  std::vector<int32_t> out = run_decode(*s_, *this, seqs, tokens, params, draws, profile);
+  std::vector<int32_t> out = run_decode(*s_, seqs, tokens, params, draws, profile);
   for (int32_t seq : seqs) s_->table->count_draw(seq);
   return out;
 }
@@ -956,7 +304,7 @@ runtime::StepResult Engine::run(const runtime::StepPlan& plan) {
     draws.push_back(r.draw);
   }
   if (!decode_rows.empty()) {
-    const std::vector<int32_t> drawn = run_decode(s, *this, seqs, tokens, params, draws, nullptr);
+    const std::vector<int32_t> drawn = run_decode(s, seqs, tokens, params, draws, nullptr);
     for (size_t j = 0; j < decode_rows.size(); ++j) out.tokens[decode_rows[j]] = drawn[j];
   }
   for (size_t i = 0; i < plan.rows.size(); ++i) {
@@ -973,32 +321,14 @@ runtime::StepResult Engine::run(const runtime::StepPlan& plan) {
   return out;
 }
 
-std::vector<int32_t> Engine::last_routing() const {
-  const State& s = *s_;
-  const ModelConfig& c = s.config;
-  const int64_t k = std::max<int64_t>(c.moe.top_k, 1);
-  std::vector<int32_t> out(static_cast<size_t>(c.num_layers * s.last_tokens * k), -1);
-  if (!s.routed_log) return out;
-  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
-  for (int64_t l = 0; l < c.num_layers; ++l)
-    MOE_CUDA_CHECK(cudaMemcpy(out.data() + l * s.last_tokens * k, s.routed_log + l * s.max_tokens * k,
-                              static_cast<size_t>(s.last_tokens * k) * 4, cudaMemcpyDeviceToHost));
-  return out;
-}
+std::vector<int32_t> Engine::last_routing() const { return s_->first().routing(); }
 
 MemoryReport Engine::memory() const {
   const State& s = *s_;
   MemoryReport r;
-  auto add = [&r](const State& x) {
-    r.weights += x.model->bytes();
-    r.kv_cache += x.kv_arena.capacity();
-    r.workspace += x.workspace_arena.capacity() + x.meta_arena.capacity() + x.blas->workspace_bytes();
-    r.graph_outputs += x.graph_arena.capacity();
-  };
-  add(s);
-  for (const auto& x : s.others) add(*x);
-  if (s.allreduce) r.workspace += s.allreduce->bytes_per_rank() * static_cast<size_t>(s.ranks);
-  r.kv_blocks = s.kv_blocks;
+  for (const auto& x : s.ranks) x->count_memory(&r);
+  if (s.allreduce) r.workspace += s.allreduce->bytes_per_rank() * s.ranks.size();
+  r.kv_blocks = s.first().kv_blocks;
   r.kv_blocks_free = s.free_blocks();
   r.kv_blocks_cached = s.blocks->cached_blocks();
   return r;

@@ -1,6 +1,6 @@
 // The CUDA engine's step buffers: the per-step metadata the host uploads before each step and the
 // activations and scratch of the largest step, each carved from one arena (or measured first by an
-// ArenaSizer with the same calls). Used by cuda_engine.cpp only.
+// ArenaSizer with the same calls). Used by engine::Rank (engine_rank.h) only.
 #pragma once
 
 #include <algorithm>
