@@ -146,6 +146,12 @@ for s in $STEPS; do
             --random-weights --batches 1,8,64 --input-len 128 --output-len 64 --prefill-len 2048 \
             --tp 2 --ep 2 --profile --json
         done
+        # Every EP backend in the whole model on two GPUs (attention replicated), and serving.
+        for b in local_allreduce allgather_reducescatter alltoall_padded alltoall_packed p2p; do
+          step "model_qwen3-30b-a3b_ep2_$b" "$BIN/moe-bench" model --device cuda --preset qwen3-30b-a3b \
+            --random-weights --batches 1,8,64 --input-len 128 --output-len 64 --ep 2 --ep-backend "$b" --json
+        done
+        step serve_ep2 scripts/serve_ep_check.sh "$BIN"
         for n in 2 4 8; do
           [ "$gpus" -ge $n ] || continue
           step "layer_qwen3-30b-a3b_ep$n" "$BIN/moe-bench" layer --preset qwen3-30b-a3b --ep $n \

@@ -35,7 +35,7 @@ struct DecodeRun {
 };
 
 int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
-  cuda::check_engine_ep_backend(a.ep_backend);
+  const dist::EpBackend backend = cuda::engine_ep_backend(a.ep_backend);
   std::vector<int> batches = a.batches.empty() ? std::vector<int>{a.batch} : a.batches;
   for (int b : batches) MOE_CHECK(b >= 1, kInvalidArgument, "batch sizes must be >= 1, got {}", b);
   MOE_CHECK(a.prefill_len >= 0, kInvalidArgument, "--prefill-len must be >= 0");
@@ -46,6 +46,7 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   eo.fuse = !a.no_fuse;
   eo.tp = a.tp;
   eo.ep = a.ep;
+  eo.ep_backend = backend;
   const int ranks = cuda::engine_ranks(a.tp, a.ep);
   eo.max_batch = *std::max_element(batches.begin(), batches.end());
   eo.max_context = std::max(a.input_len + a.output_len + 2, a.prefill_len);
@@ -169,6 +170,7 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   doc["gpus"] = ranks;
   doc["tp"] = a.tp;
   doc["ep"] = a.ep;
+  doc["ep_backend"] = a.ep_backend;
   doc["copy_bytes_per_s"] = kCopyBytesPerS;
   doc["bf16_matmul_flops_per_s"] = kBf16FlopsPerS;
   doc["input_len"] = a.input_len;

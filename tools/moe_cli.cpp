@@ -48,8 +48,7 @@ struct Common {
       MOE_CHECK(tp == 1, kUnsupported, "--tp {}: tensor-parallel attention runs on GPUs only (--device cuda)", tp);
       return false;
     }
-    dist::parse_ep_backend(ep_backend);  // an unknown name: the valid ones listed
-    cuda::check_engine_ep_backend(ep_backend);
+    cuda::engine_ep_backend(ep_backend);  // an unknown name: the valid ones listed
     MOE_CHECK(!expert_stats, kUnsupported, "--expert-stats is CPU-only so far");
     return true;
   }
@@ -69,6 +68,7 @@ struct Common {
       eo.sampled_vocab = sampled_vocab;
       eo.tp = tp;
       eo.ep = ep;
+      eo.ep_backend = cuda::engine_ep_backend(ep_backend);
       return cuda::Engine::load(model_dir, eo);
     }
     LoadOptions lo;
@@ -108,7 +108,8 @@ void add_parallel_flags(CLI::App* cmd, Common& c) {
   cmd->add_option("--tp", c.tp, "tensor-parallel attention over the --ep GPUs (1 or the --ep value; cuda only)")
       ->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--ep-backend", c.ep_backend,
-                  "local_allreduce | allgather_reducescatter | alltoall_padded | alltoall_packed")
+                  "how tokens reach the experts of other ranks: local_allreduce | allgather_reducescatter | "
+                  "alltoall_padded | alltoall_packed | p2p (cuda)")
       ->capture_default_str();
   cmd->add_option("--exec", c.exec, "routed-expert execution: naive | grouped")->capture_default_str();
   cmd->add_flag("--expert-stats", c.expert_stats, "print tokens per expert per layer on stderr");

@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     app.add_option("--ep-backend", ep_backend,
                    "how tokens reach the experts of other ranks: local_allreduce | allgather_reducescatter | "
-                   "alltoall_padded | alltoall_packed")
+                   "alltoall_padded | alltoall_packed | p2p (cuda)")
         ->capture_default_str();
     app.add_option("--tp", tp, "cuda: tensor-parallel attention over the --ep GPUs (1 or the --ep value)")
         ->capture_default_str();
@@ -108,8 +108,7 @@ int main(int argc, char** argv) {
     MOE_CHECK(!random_weights || device == "cuda", kInvalidArgument, "--random-weights needs --device cuda");
     if (device == "cuda") {
       cuda::engine_ranks(tp, ep);
-      dist::parse_ep_backend(ep_backend);  // an unknown name: the valid ones listed
-      cuda::check_engine_ep_backend(ep_backend);
+      cuda::engine_ep_backend(ep_backend);  // an unknown name: the valid ones listed
     } else {
       MOE_CHECK(tp == 1, kUnsupported, "--tp {}: tensor-parallel attention runs on GPUs only (--device cuda)", tp);
       dist::DistConfig dc;
@@ -145,6 +144,7 @@ int main(int argc, char** argv) {
       eo.sampled_vocab = tok.vocab_size();
       eo.tp = tp;
       eo.ep = ep;
+      eo.ep_backend = cuda::engine_ep_backend(ep_backend);
       gpu = cuda::Engine::load(model_dir, eo);
     }
     const ModelConfig mc = load_model_config(model_dir);

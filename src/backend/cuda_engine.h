@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/dist_config.h"
 #include "model/config.h"
 #include "moe/errors.h"
 #include "moe/tensor.h"
@@ -44,12 +45,17 @@ struct EngineOptions {
   // Keep full KV blocks findable by their token prefix so that reuse_prefix() can share them.
   bool prefix_reuse = true;
   // Several GPUs of this machine: devices device .. device + max(tp, ep) - 1, one host thread
-  // each, in lockstep. ep > 1: each GPU holds 1/ep of every layer's routed experts, runs them on
-  // every token and the partial outputs are summed across GPUs. tp (1 or ep): each GPU also
-  // holds 1/tp of the attention heads (key/value heads replicated when there are fewer than
-  // tp) and the output projection's partial sums are summed likewise. The sums are kernels
-  // writing into the peers' memory (peer access required), inside the decode graphs.
+  // each, in lockstep. ep > 1: each GPU holds 1/ep of every layer's routed experts, and
+  // ep_backend says how the tokens reach them and their outputs come back (dist_config.h):
+  // local_allreduce runs each GPU's experts on every token and sums the partial outputs with the
+  // engine's own peer all-reduce (kernels writing into the peers' memory, inside the decode
+  // graphs, with the next norm folded in); the others exchange rows through NCCL collectives
+  // (allgather_reducescatter, alltoall_padded, alltoall_packed: decode then runs eagerly, as
+  // their host-driven exchanges cannot be captured) or peer writes (p2p, captured). tp (1 or
+  // ep): each GPU also holds 1/tp of the attention heads (key/value heads replicated when there
+  // are fewer than tp), and the output projection's partial sums go through the peer all-reduce.
   int tp = 1, ep = 1;
+  dist::EpBackend ep_backend = dist::EpBackend::kLocalAllreduce;
 };
 
 // The GPUs an engine with these parallel degrees runs on; throws for degrees it cannot combine.
@@ -62,13 +68,16 @@ inline int engine_ranks(int tp, int ep) {
   return ep;
 }
 
-// The engine sums its GPUs' partial outputs with its own peer all-reduce (the local_allreduce
-// scheme); the other backend names are for the CPU engine and moe-bench layer.
-inline void check_engine_ep_backend(const std::string& name) {
-  MOE_CHECK(name == "local_allreduce", kUnsupported,
-            "--device cuda: the engine sums its GPUs' partial outputs with its own peer all-reduce (the "
-            "local_allreduce scheme); --ep-backend {} is for the CPU engine and moe-bench layer",
-            name);
+// The EP backend of --ep-backend `name` for the engine, before anything is loaded: an unknown
+// name is refused naming the valid ones (kConfig), one this build lacks naming those it has
+// (kUnsupported). The engine checks the rest (GPUs, peer access, NCCL) at load, before any
+// weight is read.
+inline dist::EpBackend engine_ep_backend(const std::string& name) {
+  const dist::EpBackend b = dist::parse_ep_backend(name);
+  MOE_CHECK(b != dist::EpBackend::kDeepep, kUnsupported,
+            "--ep-backend deepep: this build has no DeepEP kernels; the engine runs local_allreduce, "
+            "allgather_reducescatter, alltoall_padded, alltoall_packed and p2p");
+  return b;
 }
 
 // Device bytes by what holds them, summed over the engine's GPUs.

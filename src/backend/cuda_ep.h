@@ -78,6 +78,10 @@ struct EpLayerConfig {
   // Measurement only: forward() runs the exchanges but not the experts (their output rows keep
   // whatever they held), so that a benchmark can time dispatch and combine alone.
   bool exchange_only = false;
+  // Device buffers of workspace_bytes(config) bytes, 256-byte aligned, that the caller owns and
+  // may share between layers whose calls are ordered on one stream (an engine's layers); null:
+  // the layer allocates its own.
+  void* workspace = nullptr;
 };
 
 // One rank's routed experts of one layer.
@@ -108,9 +112,12 @@ class EpExperts {
   void reset_stats();
   size_t weight_bytes() const;     // this rank's experts
   size_t workspace_bytes() const;  // this rank's buffers, the p2p exchange's excluded
+  // The same before construction, for a caller that provides the workspace.
+  static size_t workspace_bytes(const EpLayerConfig& config);
+
+  struct State;  // what one layer holds (cuda_ep.cpp)
 
  private:
-  struct State;
   std::unique_ptr<State> s_;
 };
 

@@ -68,9 +68,26 @@ std::vector<std::string> available_ep_backends(const BuildCaps& caps) {
   return out;
 }
 
-bool ep_backend_needs_gpu(EpBackend backend) {
-  return backend == EpBackend::kP2p || backend == EpBackend::kDeepep;
+const EpBackendTraits& ep_backend_traits(EpBackend backend) {
+  static const EpBackendTraits allreduce{.graph_capturable = true, .reduced_output = false};
+  static const EpBackendTraits gathered{};
+  static const EpBackendTraits padded{.sharded_tokens = true};
+  static const EpBackendTraits packed{.sharded_tokens = true, .host_counts = true};
+  static const EpBackendTraits p2p{.graph_capturable = true, .sharded_tokens = true,
+                                   .needs_peer_access = true, .needs_gpu = true};
+  static const EpBackendTraits deepep{.sharded_tokens = true, .needs_gpu = true};
+  switch (backend) {
+    case EpBackend::kLocalAllreduce: return allreduce;
+    case EpBackend::kAllgatherReducescatter: return gathered;
+    case EpBackend::kAlltoallPadded: return padded;
+    case EpBackend::kAlltoallPacked: return packed;
+    case EpBackend::kP2p: return p2p;
+    case EpBackend::kDeepep: return deepep;
+  }
+  return gathered;
 }
+
+bool ep_backend_needs_gpu(EpBackend backend) { return ep_backend_traits(backend).needs_gpu; }
 
 EpBackend parse_ep_backend(const std::string& name) {
   for (EpBackend b : kAllBackends) {

@@ -19,6 +19,31 @@ enum class EpBackend {
   kDeepep,                  // "deepep": DeepEP kernels (CUDA build with DeepEP only)
 };
 
+// What a backend needs from the layer around it and gives back: the MoE block is router ->
+// dispatch -> experts -> combine, and these say how the last three fit the first and the rest
+// of the step.
+struct EpBackendTraits {
+  // Its exchange is device work only (no host waits or host-driven collectives): a step that
+  // uses it can be captured in a CUDA graph and replayed.
+  bool graph_capturable = false;
+  // Every rank ends with the full sum [T, H]. False for local_allreduce, whose experts leave
+  // partial sums for an all-reduce that the caller runs (and may fold the next norm into).
+  bool reduced_output = true;
+  // Each token leaves from one rank only (its shard of T), so a rank's experts see at most
+  // ranks * ceil(T / ranks) rows (the receive capacity); otherwise every rank runs all T.
+  bool sharded_tokens = false;
+  // The host learns each call's row counts before the exchange (a control-plane round trip).
+  bool host_counts = false;
+  bool needs_peer_access = false;  // kernels write into the peers' memory
+  bool needs_gpu = false;          // exists only in the CUDA build
+  // The rows its experts run for a call of `tokens` tokens on `ranks` ranks, at most.
+  int64_t expert_rows(int64_t tokens, int ranks) const {
+    return sharded_tokens ? ranks * ((tokens + ranks - 1) / ranks) : tokens;
+  }
+  // Activations move as bf16 rows with f32 routing weights in every backend so far.
+};
+const EpBackendTraits& ep_backend_traits(EpBackend backend);
+
 struct DistConfig {
   int tp = 1;  // tensor-parallel degree (attention)
   int ep = 1;  // expert-parallel degree: ranks that share the experts of a layer

@@ -80,7 +80,8 @@ expect bad_exec_mode "valid: naive, grouped" -- "$cli" logits -m "$fixture" --id
 expect bad_device "--device tpu: expected cpu or cuda" -- "$cli" logits -m "$fixture" --ids 1 --device tpu
 expect tp_on_cpu "--tp 2: tensor-parallel attention runs on GPUs only" -- "$cli" logits -m "$fixture" --ids 1 --tp 2
 expect cuda_tp_without_ep "runs over the expert-parallel GPUs|no CUDA backend" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --tp 2
-expect cuda_ep_backend "--ep-backend alltoall_packed is for the CPU engine" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2 --ep-backend alltoall_packed
+expect cuda_ep_backend_one_gpu "--ep-backend p2p exchanges tokens between GPUs: it needs --ep 2 or more|no CUDA backend" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep-backend p2p
+expect cuda_ep_backend_not_built "--ep-backend deepep: this build has no DeepEP kernels" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2 --ep-backend deepep
 expect cuda_unknown_ep_backend "valid names: local_allreduce" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2 --ep-backend fastest
 if ! nvidia-smi -L >/dev/null 2>&1; then
   expect cuda_ep_needs_gpus "needs 2 GPUs from device 0; this machine has 0|no CUDA backend" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2
@@ -106,7 +107,7 @@ expect bench_model_bad_device "expected cpu or cuda" -- "$bench" model --preset 
 expect bench_model_bad_batches "batch sizes must be >= 1" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --batches 1,0
 expect bench_model_tp_on_cpu "runs on GPUs only" -- "$bench" model --preset qwen3-moe-mid --random-weights --tp 2
 expect bench_model_cuda_tp_without_ep "runs over the expert-parallel GPUs" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --tp 2
-expect bench_model_cuda_ep_backend "--ep-backend alltoall_packed is for the CPU engine" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --ep 2 --ep-backend alltoall_packed
+expect bench_model_cuda_ep_backend "--ep-backend deepep: this build has no DeepEP kernels" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --ep 2 --ep-backend deepep
 expect bench_model_bad_prefill_len "--prefill-len must be >= 0" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --prefill-len -1
 
 echo "$passed passed, $failures failed"

@@ -35,8 +35,10 @@ int tp_for(const std::string& dir, int n) {
   return mc.qk_norm == QkNorm::kFull ? 1 : n;
 }
 
-std::unique_ptr<cuda::Engine> load(const std::string& dir, int tp, int ep, bool graphs = true, bool fuse = true) {
+std::unique_ptr<cuda::Engine> load(const std::string& dir, int tp, int ep, bool graphs = true, bool fuse = true,
+                                   dist::EpBackend backend = dist::EpBackend::kLocalAllreduce) {
   cuda::EngineOptions o;
+  o.ep_backend = backend;
   o.fuse = fuse;
   o.record_routing = true;
   o.max_batch = 4;
@@ -60,20 +62,17 @@ Tensor forced_logits(cuda::Engine& e, const std::vector<int32_t>& sequence, std:
   return logits;
 }
 
-class CudaEngineParallel : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
-
 // Rows before the first routing decision where the two runs chose differently (a bf16 near-tie:
 // the GPUs round partial sums separately) must agree within the bound; greedy tokens must agree
 // for every step the one-GPU run decides clearly (top-1 gap over 3x the logit difference).
-TEST_P(CudaEngineParallel, LogitsAndGreedyTokensMatchOneGpu) {
-  const auto& [name, n] = GetParam();
-  REQUIRE_PEER_GPUS(n);
+void expect_one_gpu_answers(const std::string& name, int n, dist::EpBackend backend) {
   const std::string dir = fixture_dir(name);
   const int tp = tp_for(dir, n);
+  const char* via = dist::ep_backend_name(backend);
   auto one = load(dir, 1, 1);
-  auto many = load(dir, tp, n);
+  auto many = load(dir, tp, n, true, true, backend);
   // Folding the residual adds and norms into the all-reduces changes only f32 summation order.
-  auto unfused = load(dir, tp, n, true, false);
+  auto unfused = load(dir, tp, n, true, false, backend);
   const ModelConfig& mc = one->config();
   const int64_t vocab = mc.vocab_size, k = std::max<int64_t>(mc.moe.top_k, 1);
   auto ref = reference(dir);
@@ -129,8 +128,9 @@ TEST_P(CudaEngineParallel, LogitsAndGreedyTokensMatchOneGpu) {
       EXPECT_EQ(gotn[step], got1[step]) << name << " on " << n << " GPUs, input " << i << " step " << step;
       ++clear;
     }
-    std::printf("[ %s, tp %d ep %d, input %zu ] %zu of %zu greedy steps decided clearly; tokens: %s\n", name.c_str(),
-                tp, n, i, clear, expected.size(), gotn == got1 ? "all equal to one GPU" : "differ later");
+    std::printf("[ %s, tp %d ep %d %s, input %zu ] %zu of %zu greedy steps decided clearly; tokens: %s\n",
+                name.c_str(), tp, n, via, i, clear, expected.size(),
+                gotn == got1 ? "all equal to one GPU" : "differ later");
     compared += clear;
     all_equal = all_equal && gotn == got1;
   }
@@ -138,16 +138,14 @@ TEST_P(CudaEngineParallel, LogitsAndGreedyTokensMatchOneGpu) {
   EXPECT_TRUE(compared > 0 || all_equal) << name << ": no step was decided clearly and the tokens differ";
 }
 
-// The same kernels and all-reduces whether replayed from graphs or run eagerly, and whatever
-// the batch: identical tokens.
-TEST_P(CudaEngineParallel, GraphDecodeEqualsEagerAndBatchEqualsAlone) {
-  const auto& [name, n] = GetParam();
-  REQUIRE_PEER_GPUS(n);
+// The same kernels and exchanges whether replayed from graphs or run eagerly, and whatever the
+// batch: identical tokens.
+void expect_graph_equals_eager_and_batch_equals_alone(const std::string& name, int n, dist::EpBackend backend) {
   const std::string dir = fixture_dir(name);
   const int tp = tp_for(dir, n);
   std::vector<std::vector<int32_t>> prompts{{5, 9, 1}, {7}, {3, 2, 8, 8, 4, 6, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10}};
   auto run = [&](bool graphs, bool together) {
-    auto engine = load(dir, tp, n, graphs);
+    auto engine = load(dir, tp, n, graphs, true, backend);
     std::vector<int32_t> seqs;
     auto out = test::greedy_prompts(*engine, prompts, 12, together, &seqs);
     for (int32_t s : seqs) engine->close(s);
@@ -156,9 +154,24 @@ TEST_P(CudaEngineParallel, GraphDecodeEqualsEagerAndBatchEqualsAlone) {
     EXPECT_EQ(m.kv_blocks_free, m.kv_blocks - 1) << "blocks left behind after closing every sequence";
     return out;
   };
+  const char* via = dist::ep_backend_name(backend);
   const auto graph_batch = run(true, true);
-  EXPECT_EQ(graph_batch, run(false, true)) << name << ": graph replay differs from eager decode";
-  EXPECT_EQ(graph_batch, run(true, false)) << name << ": a batch differs from its sequences decoded alone";
+  EXPECT_EQ(graph_batch, run(false, true)) << name << " " << via << ": graph replay differs from eager decode";
+  EXPECT_EQ(graph_batch, run(true, false)) << name << " " << via << ": a batch differs from its sequences decoded alone";
+}
+
+class CudaEngineParallel : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(CudaEngineParallel, LogitsAndGreedyTokensMatchOneGpu) {
+  const auto& [name, n] = GetParam();
+  REQUIRE_PEER_GPUS(n);
+  expect_one_gpu_answers(name, n, dist::EpBackend::kLocalAllreduce);
+}
+
+TEST_P(CudaEngineParallel, GraphDecodeEqualsEagerAndBatchEqualsAlone) {
+  const auto& [name, n] = GetParam();
+  REQUIRE_PEER_GPUS(n);
+  expect_graph_equals_eager_and_batch_equals_alone(name, n, dist::EpBackend::kLocalAllreduce);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -169,6 +182,35 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(2, 4)),
     [](const auto& info) { return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "gpus"; });
 
+// The exchanging EP backends in the engine: each moves rows between the GPUs its own way and
+// must give the one-GPU answers. Fixtures of every feed-forward kind: plain routed experts
+// (split attention, or whole under a full q/k norm), a gated shared expert, latent attention
+// with a biased router and a shared expert.
+class CudaEngineEpBackends : public ::testing::TestWithParam<std::tuple<std::string, int, dist::EpBackend>> {};
+
+TEST_P(CudaEngineEpBackends, LogitsAndGreedyTokensMatchOneGpu) {
+  const auto& [name, n, backend] = GetParam();
+  REQUIRE_PEER_GPUS(n);
+  expect_one_gpu_answers(name, n, backend);
+}
+
+TEST_P(CudaEngineEpBackends, GraphDecodeEqualsEagerAndBatchEqualsAlone) {
+  const auto& [name, n, backend] = GetParam();
+  REQUIRE_PEER_GPUS(n);
+  expect_graph_equals_eager_and_batch_equals_alone(name, n, backend);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fixtures, CudaEngineEpBackends,
+    ::testing::Combine(::testing::Values("qwen3_moe_bf16", "mixtral_f32", "qwen2_moe_f32", "olmoe_f32", "deepseek_v3_f32"),
+                       ::testing::Values(2, 4),
+                       ::testing::Values(dist::EpBackend::kAllgatherReducescatter, dist::EpBackend::kAlltoallPadded,
+                                         dist::EpBackend::kAlltoallPacked, dist::EpBackend::kP2p)),
+    [](const auto& info) {
+      return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "gpus_" +
+             dist::ep_backend_name(std::get<2>(info.param));
+    });
+
 // Refused with a one-line reason before any weight is read or any GPU is needed.
 TEST(CudaEngineParallel, RefusesSplitsItCannotRun) {
   EXPECT_EQ(test::error_kind_of([] { cuda::engine_ranks(2, 1); }), ErrorKind::kUnsupported) << "tp without ep";
@@ -176,6 +218,14 @@ TEST(CudaEngineParallel, RefusesSplitsItCannotRun) {
   EXPECT_EQ(test::error_kind_of([] { cuda::engine_ranks(0, 1); }), ErrorKind::kInvalidArgument);
   EXPECT_EQ(cuda::engine_ranks(1, 3), 3);
   std::string why;
+  EXPECT_EQ(test::error_kind_of([] { cuda::engine_ep_backend("fastest"); }, &why), ErrorKind::kConfig);
+  EXPECT_NE(why.find("valid names: local_allreduce, allgather_reducescatter"), std::string::npos) << why;
+  EXPECT_EQ(test::error_kind_of([] { cuda::engine_ep_backend("deepep"); }, &why), ErrorKind::kUnsupported);
+  EXPECT_EQ(cuda::engine_ep_backend("alltoall_packed"), dist::EpBackend::kAlltoallPacked);
+  EXPECT_EQ(test::error_kind_of([] { load(fixture_dir("qwen3_moe_f32"), 1, 1, true, true, dist::EpBackend::kP2p); }, &why),
+            ErrorKind::kInvalidArgument)
+      << "an exchange on one GPU";
+  EXPECT_NE(why.find("needs --ep 2 or more"), std::string::npos) << why;
   EXPECT_EQ(test::error_kind_of([] { load(fixture_dir("deepseek_v2_f32"), 3, 3); }, &why), ErrorKind::kUnsupported)
       << "4 latent-attention heads over 3 GPUs";
   EXPECT_NE(why.find("do not split"), std::string::npos) << why;

@@ -11,6 +11,8 @@
 #include "backend/cuda/device_model.h"
 #include "backend/cuda/engine_rank.h"
 #include "backend/cuda/peer_allreduce.h"
+#include "backend/cuda_ep.h"
+#include "backend/nccl_communicator.h"
 #include "core/rank_threads.h"
 #include "moe/errors.h"
 #include "runtime/block_allocator.h"
@@ -23,7 +25,12 @@ using engine::Rank;
 struct Engine::State {
   // Rank r on device opts.device + r; rank 0's step metadata mirror is the one the host writes.
   std::vector<std::unique_ptr<Rank>> ranks;
-  std::unique_ptr<PeerAllReduce> allreduce;  // several GPUs: sums the ranks' partial outputs
+  std::unique_ptr<PeerAllReduce> allreduce;  // sums the ranks' partial outputs (tp, local_allreduce)
+  // The expert-parallel exchange of the other backends: NCCL endpoints (rank r's at r) or the
+  // p2p exchange.
+  std::unique_ptr<NcclGroup> nccl;
+  std::vector<std::unique_ptr<dist::Communicator>> comms;
+  std::unique_ptr<P2pExchange> p2p;
   std::unique_ptr<RankThreads> threads;      // several GPUs: one host thread per rank
   // Blocks 1 .. kv_blocks - 1 of every rank's pools as allocator blocks 0 .. kv_blocks - 2
   // (pool block 0 is the scratch block of padding rows).
@@ -32,11 +39,14 @@ struct Engine::State {
   runtime::ExecutorLimits limits;
 
   ~State() {
-    // The host threads first, then the other ranks (each on its own device), the all-reduce
-    // between them, and rank 0 last.
+    // The host threads first, then the other ranks (each on its own device), what joins them,
+    // and rank 0 last.
     threads.reset();
     for (size_t r = 1; r < ranks.size(); ++r) ranks[r].reset();
     allreduce.reset();
+    p2p.reset();
+    comms.clear();
+    nccl.reset();
     ranks.clear();
   }
 
@@ -80,12 +90,28 @@ EngineOptions checked_options(const ModelConfig& mc, const EngineOptions& option
   MOE_CHECK(o.max_step_tokens >= 1, kInvalidArgument, "max step tokens must be >= 1");
   const int ranks = engine_ranks(o.tp, o.ep);
   check_parallel_supported(mc, ranks, o.tp > 1);
+  const char* backend = dist::ep_backend_name(o.ep_backend);
+  MOE_CHECK(o.ep_backend != dist::EpBackend::kDeepep, kUnsupported, "--ep-backend deepep: this build has no DeepEP kernels");
+  MOE_CHECK(ranks > 1 || o.ep_backend == dist::EpBackend::kLocalAllreduce, kInvalidArgument,
+            "--ep-backend {} exchanges tokens between GPUs: it needs --ep 2 or more", backend);
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || o.device < 0 || o.device + ranks > count) {
     cudaGetLastError();
     MOE_CHECK(ranks > 1, kUnsupported, "--device cuda: no CUDA device {} (this machine has {})", o.device, count);
     MOE_THROW(kUnsupported, "--tp {} --ep {} needs {} GPUs from device {}; this machine has {}", o.tp, o.ep,
               ranks, o.device, count);
+  }
+  if (ranks > 1) {
+    std::vector<int> devices;
+    for (int r = 0; r < ranks; ++r) devices.push_back(o.device + r);
+    const dist::EpBackendTraits& traits = dist::ep_backend_traits(o.ep_backend);
+    std::string why;
+    if ((o.tp > 1 || traits.needs_peer_access || !traits.reduced_output) && !peer_access_available(devices, &why))
+      MOE_THROW(kUnsupported, "--tp {} --ep {} --ep-backend {} needs peer access between the GPUs: {}{}", o.tp,
+                o.ep, backend, why,
+                o.tp > 1 ? "" : "; allgather_reducescatter, alltoall_padded and alltoall_packed run without it");
+    if (!traits.needs_peer_access && traits.reduced_output && !nccl_available(&why))
+      MOE_THROW(kUnsupported, "--ep-backend {} exchanges through NCCL, which is unavailable: {}", backend, why);
   }
   return o;
 }
@@ -103,9 +129,20 @@ std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions
   if (ranks > 1) {
     std::vector<int> devices;
     for (int r = 0; r < ranks; ++r) devices.push_back(o.device + r);
-    s.allreduce = std::make_unique<PeerAllReduce>(devices, max_tokens * mc.hidden_size);
+    const dist::EpBackendTraits& traits = dist::ep_backend_traits(o.ep_backend);
+    if (o.tp > 1 || !traits.reduced_output)
+      s.allreduce = std::make_unique<PeerAllReduce>(devices, max_tokens * mc.hidden_size);
+    if (o.ep_backend == dist::EpBackend::kP2p) {
+      s.p2p = std::make_unique<P2pExchange>(devices, mc.hidden_size, mc.moe.top_k, max_tokens);
+    } else if (traits.reduced_output) {
+      s.nccl = std::make_unique<NcclGroup>(devices);
+      for (int r = 0; r < ranks; ++r) s.comms.push_back(s.nccl->communicator(r));
+    }
   }
-  for (int r = 0; r < ranks; ++r) s.ranks.push_back(std::make_unique<Rank>(mc, o, r, ranks, s.allreduce.get()));
+  for (int r = 0; r < ranks; ++r) {
+    engine::EpLink link{s.comms.empty() ? nullptr : s.comms[static_cast<size_t>(r)].get(), s.p2p.get()};
+    s.ranks.push_back(std::make_unique<Rank>(mc, o, r, ranks, s.allreduce.get(), link));
+  }
   if (ranks > 1) s.threads = std::make_unique<RankThreads>(ranks);
   // Every rank loads its share at once; then the KV cache takes the same number of blocks on
   // each (block ids are shared), as many as the fullest GPU allows.
@@ -221,7 +258,7 @@ std::vector<int32_t> run_decode(State& s, std::span<const int32_t> seqs, std::sp
   for (int64_t i = 0; i < b; ++i) s.table->reserve(seqs[static_cast<size_t>(i)], 1);
   // The bucket's graph first: capturing it (on first use) runs on padding metadata, so the real
   // rows are written after it, once.
-  const bool use_graph = o.graphs && !profile;
+  const bool use_graph = o.graphs && !profile && s0.capturable;
   if (use_graph) s.each_rank([&](Rank& x) { x.graph_for(bucket); });
   for (int64_t i = 0; i < b; ++i) {
     const int32_t seq = seqs[static_cast<size_t>(i)];
@@ -328,6 +365,7 @@ MemoryReport Engine::memory() const {
   MemoryReport r;
   for (const auto& x : s.ranks) x->count_memory(&r);
   if (s.allreduce) r.workspace += s.allreduce->bytes_per_rank() * s.ranks.size();
+  if (s.p2p) r.workspace += s.p2p->bytes_per_rank() * s.ranks.size();
   r.kv_blocks = s.first().kv_blocks;
   r.kv_blocks_free = s.free_blocks();
   r.kv_blocks_cached = s.blocks->cached_blocks();

@@ -185,10 +185,58 @@ struct EpExperts::State {
   int32_t *send_ids = nullptr, *recv_ids = nullptr;
   float *send_w = nullptr, *recv_w = nullptr;
   EpStats stats;
+  bool owned = false;  // base was allocated here (no caller workspace)
 
   void sync(cudaStream_t st) const { MOE_CUDA_CHECK(cudaStreamSynchronize(st)); }
   uint64_t sent() const { return comm->stats().total.bytes_sent; }
 };
+
+namespace {
+
+// The most rows one call runs through this rank's experts (the receive capacity when tokens
+// are sharded).
+int64_t expert_rows(const EpLayerConfig& c) {
+  return dist::ep_backend_traits(c.backend).expert_rows(c.max_tokens, c.ranks);
+}
+
+// Carves the buffers of s.c's backend from `v` (a sizing pass, then the real one).
+void layout(EpExperts::State& s, Carver& v) {
+  const EpLayerConfig& c = s.c;
+  const int64_t rows = expert_rows(c);
+  const ExpertShape shape{s.placement->num_local(), c.hidden, c.inter, c.top_k};
+  const size_t h = static_cast<size_t>(c.hidden), kk = static_cast<size_t>(c.top_k);
+  const size_t t = static_cast<size_t>(c.max_tokens), r = static_cast<size_t>(rows);
+  const size_t n = static_cast<size_t>(c.ranks), cap = static_cast<size_t>(s.cap);
+  s.ws = v.take<unsigned char>(Experts::workspace_bytes(shape, rows));
+  s.y = v.take<uint16_t>(r * h);
+  switch (c.backend) {
+    case dist::EpBackend::kLocalAllreduce:
+      s.lids = v.take<int32_t>(t * kk);
+      break;
+    case dist::EpBackend::kAllgatherReducescatter:
+      s.lids = v.take<int32_t>(t * kk);
+      s.ids_g = v.take<int32_t>(t * kk);
+      s.w_g = v.take<float>(t * kk);
+      s.x_g = v.take<uint16_t>(t * h);
+      break;
+    case dist::EpBackend::kP2p:
+      break;  // its rows go straight into the exchange's buffers
+    default:
+      s.pos = v.take<int>(cap * n);
+      s.counts = v.take<int>(n);
+      s.recv_counts = v.take<int>(n);
+      s.send_x = v.take<uint16_t>(r * h);
+      s.recv_x = v.take<uint16_t>(r * h);
+      s.back = v.take<uint16_t>(r * h);
+      s.send_ids = v.take<int32_t>(r * kk);
+      s.recv_ids = v.take<int32_t>(r * kk);
+      s.send_w = v.take<float>(r * kk);
+      s.recv_w = v.take<float>(r * kk);
+      break;
+  }
+}
+
+}  // namespace
 
 EpExperts::EpExperts(const EpLayerConfig& config, const void* gate_up, const void* down,
                      dist::Communicator* comm, P2pExchange* p2p)
@@ -229,57 +277,39 @@ EpExperts::EpExperts(const EpLayerConfig& config, const void* gate_up, const voi
   for (int p = 0; p <= c.ranks; ++p)
     s.routing.first[p] = static_cast<int>(p < c.ranks ? s.placement->first_expert(p) : c.experts);
 
-  const bool sharded = kind == dist::EpBackend::kAlltoallPadded ||
-                       kind == dist::EpBackend::kAlltoallPacked || kind == dist::EpBackend::kP2p;
-  s.cap = ceil_div(c.max_tokens, c.ranks);
-  const int64_t rows = sharded ? c.ranks * s.cap : c.max_tokens;  // the experts' largest M
+  const int64_t rows = expert_rows(c);
   const ExpertShape shape{s.placement->num_local(), c.hidden, c.inter, c.top_k};
   MOE_CUDA_CHECK(cudaSetDevice(c.device));
   s.experts = std::make_unique<Experts>(gate_up, down, shape, rows, c.device);
-
-  const size_t h = static_cast<size_t>(c.hidden), kk = static_cast<size_t>(c.top_k);
-  const size_t t = static_cast<size_t>(c.max_tokens), r = static_cast<size_t>(rows);
-  const size_t n = static_cast<size_t>(c.ranks), cap = static_cast<size_t>(s.cap);
-  auto layout = [&](Carver& v) {
-    s.ws = v.take<unsigned char>(Experts::workspace_bytes(shape, rows));
-    s.y = v.take<uint16_t>(r * h);
-    switch (kind) {
-      case dist::EpBackend::kLocalAllreduce:
-        s.lids = v.take<int32_t>(t * kk);
-        break;
-      case dist::EpBackend::kAllgatherReducescatter:
-        s.lids = v.take<int32_t>(t * kk);
-        s.ids_g = v.take<int32_t>(t * kk);
-        s.w_g = v.take<float>(t * kk);
-        s.x_g = v.take<uint16_t>(t * h);
-        break;
-      case dist::EpBackend::kP2p:
-        break;  // its rows go straight into the exchange's buffers
-      default:
-        s.pos = v.take<int>(cap * n);
-        s.counts = v.take<int>(n);
-        s.recv_counts = v.take<int>(n);
-        s.send_x = v.take<uint16_t>(r * h);
-        s.recv_x = v.take<uint16_t>(r * h);
-        s.back = v.take<uint16_t>(r * h);
-        s.send_ids = v.take<int32_t>(r * kk);
-        s.recv_ids = v.take<int32_t>(r * kk);
-        s.send_w = v.take<float>(r * kk);
-        s.recv_w = v.take<float>(r * kk);
-        break;
-    }
-  };
+  s.cap = ceil_div(c.max_tokens, c.ranks);
   Carver sizing;
-  layout(sizing);
+  layout(s, sizing);
   s.bytes = sizing.used();
-  MOE_CUDA_CHECK(cudaMalloc(&s.base, s.bytes));
+  if (c.workspace) {
+    MOE_CHECK(reinterpret_cast<uintptr_t>(c.workspace) % 256 == 0, kInvalidArgument,
+              "the expert-parallel workspace must be 256-byte aligned");
+    s.base = c.workspace;
+  } else {
+    MOE_CUDA_CHECK(cudaMalloc(&s.base, s.bytes));
+    s.owned = true;
+  }
   Carver carver;
   carver.set_base(static_cast<unsigned char*>(s.base));
-  layout(carver);
+  layout(s, carver);
+}
+
+size_t EpExperts::workspace_bytes(const EpLayerConfig& config) {
+  State s;
+  s.c = config;
+  s.placement = std::make_unique<ExpertPlacement>(config.experts, config.ranks, config.rank);
+  s.cap = ceil_div(config.max_tokens, config.ranks);
+  Carver sizing;
+  layout(s, sizing);
+  return sizing.used();
 }
 
 EpExperts::~EpExperts() {
-  if (s_ && s_->base) {
+  if (s_ && s_->owned) {
     cudaSetDevice(s_->c.device);
     cudaFree(s_->base);
   }

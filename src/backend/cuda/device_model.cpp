@@ -278,8 +278,9 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
       d.router = bf16(m.router);
       d.router_bias = f32(m.router_bias);
       ExpertShape shape{m.experts.num_local, m.experts.hidden, m.experts.inter, mc.moe.top_k};
-      d.experts = std::make_unique<Experts>(bf16(m.experts.gate_up), bf16(m.experts.down), shape,
-                                            opts.max_tokens, opts.device);
+      d.expert_gate_up = bf16(m.experts.gate_up);
+      d.expert_down = bf16(m.experts.down);
+      d.experts = std::make_unique<Experts>(d.expert_gate_up, d.expert_down, shape, opts.max_tokens, opts.device);
       d.shared_gate_up = bf16(m.shared.gate_up);
       d.shared_down = bf16(m.shared.down);
       d.shared_gate = bf16(m.shared_gate);

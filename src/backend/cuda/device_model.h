@@ -33,6 +33,9 @@ struct DeviceLayer {
   const uint16_t* router = nullptr;                             // [experts, hidden]
   const float* router_bias = nullptr;
   std::unique_ptr<Experts> experts;
+  // This rank's block of routed experts in the Experts layout (what `experts` runs), for an
+  // expert-parallel exchange that runs them itself.
+  const uint16_t *expert_gate_up = nullptr, *expert_down = nullptr;
   const uint16_t *shared_gate_up = nullptr, *shared_down = nullptr, *shared_gate = nullptr;
 };
 

@@ -15,8 +15,11 @@
 
 namespace moe::cuda::engine {
 
-Rank::Rank(const ModelConfig& mc, const EngineOptions& o, int r, int n, const PeerAllReduce* sum)
-    : config(mc), opts(o), rank(r), ranks(n), tp(o.tp > 1), allreduce(sum) {
+Rank::Rank(const ModelConfig& mc, const EngineOptions& o, int r, int n, const PeerAllReduce* sum, EpLink link)
+    : config(mc), opts(o), rank(r), ranks(n), tp(o.tp > 1), allreduce(sum), ep_link(link) {
+  const dist::EpBackendTraits& traits = dist::ep_backend_traits(o.ep_backend);
+  exchanges = n > 1 && traits.reduced_output;
+  capturable = !exchanges || traits.graph_capturable;
   opts.device = o.device + r;
   opts.progress = o.progress && r == 0;
   max_tokens = step_rows(o);
@@ -45,9 +48,10 @@ void Rank::setup(const std::string& dir) {
   model = load_device_model(dir, mc, dl);
   blas = std::make_unique<Blas>();
 
+  if (exchanges) setup_exchange();
   Shapes shapes{max_tokens, logit_rows, 0, 0};
   for (const DeviceLayer& L : model->layers)
-    if (L.experts)
+    if (L.experts && !exchanges)
       shapes.experts_ws = std::max<int64_t>(
           shapes.experts_ws, static_cast<int64_t>(Experts::workspace_bytes(L.experts->shape(), max_tokens)));
   shapes.attention_ws = static_cast<int64_t>(
@@ -73,6 +77,30 @@ void Rank::setup(const std::string& dir) {
   size_t graph_bytes = 256;
   for (int b : buckets) graph_bytes += static_cast<size_t>(b) * (static_cast<size_t>(mc.vocab_size) * 4 + 4) + 512;
   graph_arena = DeviceArena("decode graph outputs", graph_bytes);
+}
+
+// Every sparse layer's experts behind the exchange, over the weights the model loaded.
+void Rank::setup_exchange() {
+  const ModelConfig& mc = config;
+  EpLayerConfig c;
+  c.backend = opts.ep_backend;
+  c.rank = rank;
+  c.ranks = ranks;
+  c.device = opts.device;
+  c.experts = mc.moe.num_experts;
+  c.hidden = mc.hidden_size;
+  c.inter = mc.moe.intermediate_size;
+  c.top_k = mc.moe.top_k;
+  c.max_tokens = max_tokens;
+  const size_t bytes = EpExperts::workspace_bytes(c);
+  ep_arena = DeviceArena("expert-parallel exchange", bytes + 256);
+  c.workspace = ep_arena.take<unsigned char>(bytes);
+  ep_layers.resize(model->layers.size());
+  for (size_t l = 0; l < model->layers.size(); ++l) {
+    const DeviceLayer& L = model->layers[l];
+    if (!L.sparse) continue;
+    ep_layers[l] = std::make_unique<EpExperts>(c, L.expert_gate_up, L.expert_down, ep_link.comm, ep_link.p2p);
+  }
 }
 
 // KV bytes per block over all layers on this rank: a key pool and a value pool per layer
@@ -256,6 +284,17 @@ DecodeGraph& Rank::graph_for(int bucket) {
 void Rank::profiled_step(int bucket, float* logits, int32_t* sampled) {
   mark_names.clear();
   if (rank == 0) allocate_routing_log();
+  if (!capturable) {  // the exchange waits on the host: eager, once to warm up, once marked
+    for (int pass = 0; pass < 2; ++pass) {
+      profiling = pass == 1 && rank == 0;
+      mark_names.clear();
+      run_layers(bucket, bucket, opts.max_context);
+      if (rank == 0) head(0, bucket, logits, sampled);
+      profiling = false;
+      MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+    return;
+  }
   cudaGraph_t graph = nullptr;
   MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   profiling = rank == 0;
@@ -283,6 +322,12 @@ void Rank::profiled_step(int bucket, float* logits, int32_t* sampled) {
 void Rank::finish_step() {
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (allreduce) allreduce->check(rank);
+  if (ep_link.p2p)  // the exchange's wait status is one per rank, whichever layer timed out
+    for (const auto& e : ep_layers)
+      if (e) {
+        e->check(stream);
+        break;
+      }
 }
 
 // --- the forward ---------------------------------------------------------------------------
@@ -479,7 +524,7 @@ void Rank::route(int64_t l, int64_t tokens) {
   const RouterConfig& rc = c.moe.router;
   const int t = static_cast<int>(tokens), hidden = static_cast<int>(c.hidden_size);
   kernels::RouterParams rp = kernels::router_params(rc, L.router_bias);
-  if (ranks > 1) {  // the experts take this rank's indices
+  if (ranks > 1 && !exchanges) {  // the experts take this rank's indices
     rp.local_ids = ws.local_ids;
     rp.local_first = static_cast<int>(model->first_expert);
     rp.local_count = static_cast<int>(model->local_experts);
@@ -532,6 +577,14 @@ bool Rank::feed_forward(int64_t l, int64_t tokens, bool* next_normed) {
   if ((profiling || opts.record_routing) && routed_log)
     MOE_CUDA_CHECK(cudaMemcpyAsync(routed_log + l * max_tokens * rc.top_k, ws.topk_ids,
                                    static_cast<size_t>(tokens * rc.top_k) * 4, cudaMemcpyDeviceToDevice, stream));
+  if (exchanges) {
+    // The exchange brings each token's slots to the ranks that hold their experts and the sums
+    // back: every rank ends with the whole routed output. The shared expert runs whole on
+    // every rank.
+    ep_layers[static_cast<size_t>(l)]->forward(ws.h, ws.topk_ids, ws.topk_weights, tokens, ws.branch, stream);
+    mark("routed experts over the EP exchange");
+    return L.shared_gate_up && shared_expert(l, tokens);
+  }
   if (ranks > 1) {
     // This rank's experts on every token (route() wrote their local indices), the others'
     // slots skipped; the shared expert (whole on every rank) before the sum, so that the next
@@ -680,7 +733,7 @@ std::vector<int32_t> Rank::routing() const {
 void Rank::count_memory(MemoryReport* r) const {
   r->weights += model->bytes();
   r->kv_cache += kv_arena.capacity();
-  r->workspace += workspace_arena.capacity() + meta_arena.capacity() + blas->workspace_bytes();
+  r->workspace += workspace_arena.capacity() + meta_arena.capacity() + ep_arena.capacity() + blas->workspace_bytes();
   r->graph_outputs += graph_arena.capacity();
 }
 

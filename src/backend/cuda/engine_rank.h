@@ -22,6 +22,7 @@
 #include "backend/cuda/engine_buffers.h"
 #include "backend/cuda/peer_allreduce.h"
 #include "backend/cuda_engine.h"
+#include "backend/cuda_ep.h"
 #include "model/config.h"
 #include "runtime/sampler.h"
 
@@ -40,10 +41,19 @@ inline int64_t step_rows(const EngineOptions& o) { return std::max<int64_t>(o.ma
 // How a decode step runs once its metadata is on the device.
 enum class DecodeRun { kGraph, kProfiled, kEager };
 
+// Where a rank's routed experts exchange rows with the other ranks' when o.ep_backend is not
+// local_allreduce: this rank's endpoint of the engine's NCCL group (the collective backends) or
+// the group's p2p exchange.
+struct EpLink {
+  dist::Communicator* comm = nullptr;
+  P2pExchange* p2p = nullptr;
+};
+
 struct Rank {
-  // Rank `r` of `n` (on device o.device + r), its partial sums through `sum` (n > 1), for
-  // options `o` already checked and completed; host fields only: setup() allocates.
-  Rank(const ModelConfig& mc, const EngineOptions& o, int r, int n, const PeerAllReduce* sum);
+  // Rank `r` of `n` (on device o.device + r), for options `o` already checked and completed:
+  // attention shares (tp) and local_allreduce expert outputs summed through `sum`, the other EP
+  // backends' exchanges through `link`. Host fields only: setup() allocates.
+  Rank(const ModelConfig& mc, const EngineOptions& o, int r, int n, const PeerAllReduce* sum, EpLink link = {});
   ~Rank();
   Rank(const Rank&) = delete;
   Rank& operator=(const Rank&) = delete;
@@ -103,7 +113,13 @@ struct Rank {
   EngineOptions opts;  // this rank's: its device, progress on rank 0 only
   int rank = 0, ranks = 1;
   bool tp = false;
-  const PeerAllReduce* allreduce = nullptr;  // ranks > 1: sums the partial outputs
+  const PeerAllReduce* allreduce = nullptr;  // sums partial outputs (tp, local_allreduce)
+  EpLink ep_link;
+  // Whether the routed experts run through an EP exchange (ep_layers) rather than this rank's
+  // experts on every token and the all-reduce.
+  bool exchanges = false;
+  // Whether a decode step can be captured in a graph (the exchange's traits).
+  bool capturable = true;
   int64_t max_tokens = 0, max_blocks = 0, logit_rows = 0;
 
   // --- on the device -----------------------------------------------------------------------
@@ -118,6 +134,10 @@ struct Rank {
   std::vector<uint16_t*> k_cache, v_cache;
   std::vector<DecodeGraph> graphs;
   std::vector<int> buckets;
+  // With `exchanges`: each sparse layer's experts behind the exchange (null for dense layers),
+  // all sharing one workspace (their calls are ordered on the stream).
+  std::vector<std::unique_ptr<EpExperts>> ep_layers;
+  DeviceArena ep_arena;
 
  private:
   // Host address of a device meta pointer.
@@ -142,6 +162,7 @@ struct Rank {
   bool fused_router(int64_t tokens) const;
   void all_reduce(uint16_t* rows, int64_t tokens, const PeerAllReduce::AddNorm* then = nullptr);
   void finish_step();
+  void setup_exchange();
   void profiled_step(int bucket, float* logits, int32_t* sampled);
   void mark(const char* name);
 

@@ -32,5 +32,6 @@ const EpStats& EpExperts::stats() const { return s_->stats; }
 void EpExperts::reset_stats() {}
 size_t EpExperts::weight_bytes() const { return 0; }
 size_t EpExperts::workspace_bytes() const { return 0; }
+size_t EpExperts::workspace_bytes(const EpLayerConfig&) { return 0; }
 
 }  // namespace moe::cuda

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# moe-server --device cuda on two GPUs with every EP backend, on the bundled tiny model: each
+# must serve a streamed greedy completion (chunks, then [DONE]) whose text equals the one-GPU
+# server's. Prints one line per backend; exit status 0 only when every one passed.
+#
+#   scripts/serve_ep_check.sh [BIN_DIR]      BIN_DIR holds moe-server (default build/release)
+set -u
+cd "$(dirname "$0")/.."
+bin=${1:-build/release}
+server=$bin/moe-server
+[ -x "$server" ] || server=$bin/tools/moe-server
+model=models/tiny-qwen3-moe
+work=$(mktemp -d)
+pid=""
+cleanup() {
+  if [ -n "$pid" ]; then kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+export NCCL_NVLS_ENABLE=0
+
+# stream URL: the text of a streamed greedy completion, or exit status 1 with the reason.
+stream() {
+  python3 - "$1" <<'PY'
+import json, sys, urllib.request
+body = json.dumps({"prompt": "Hello there, tell me", "max_tokens": 24, "temperature": 0, "stream": True}).encode()
+req = urllib.request.Request(sys.argv[1] + "/v1/completions", body, {"Content-Type": "application/json"})
+text, done, chunks = "", False, 0
+with urllib.request.urlopen(req, timeout=120) as r:
+    for raw in r:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        data = line[6:]
+        if data == "[DONE]":
+            done = True
+            break
+        event = json.loads(data)
+        if "error" in event:
+            sys.exit("error event: " + data)
+        text += event["choices"][0].get("text", "")
+        chunks += 1
+if not done or chunks < 2:
+    sys.exit(f"stream ended without [DONE] or with {chunks} chunks")
+print(text)
+PY
+}
+
+# serve NAME ARGS...: starts the server, streams one completion into $work/NAME, stops it.
+serve() {
+  local name=$1 url=""
+  shift
+  "$server" -m "$model" --device cuda --port 0 "$@" 2> "$work/$name.log" &
+  pid=$!
+  for _ in $(seq 1 600); do
+    url=$(grep -oE 'http://127\.0\.0\.1:[0-9]+' "$work/$name.log" | head -n 1)
+    [ -n "$url" ] && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  local rc=1
+  if [ -n "$url" ]; then
+    stream "$url" > "$work/$name" 2> "$work/$name.err"
+    rc=$?
+  fi
+  kill -TERM "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+  pid=""
+  [ $rc -eq 0 ] || { echo "$name: $(cat "$work/$name.err" 2>/dev/null) $(tail -n 2 "$work/$name.log")"; return 1; }
+}
+
+failures=0
+serve one_gpu || { echo "FAIL the one-GPU server: no completion"; exit 1; }
+echo "one GPU: $(tr '\n' ' ' < "$work/one_gpu")"
+for backend in local_allreduce allgather_reducescatter alltoall_padded alltoall_packed p2p; do
+  if ! serve "$backend" --ep 2 --ep-backend "$backend"; then
+    echo "FAIL --ep 2 --ep-backend $backend: no streamed completion"
+    failures=$((failures + 1))
+  elif cmp -s "$work/one_gpu" "$work/$backend"; then
+    echo "ok   --ep 2 --ep-backend $backend streams the one-GPU text"
+  else
+    echo "FAIL --ep 2 --ep-backend $backend streams: $(tr '\n' ' ' < "$work/$backend")"
+    failures=$((failures + 1))
+  fi
+done
+echo "$failures failure(s)"
+[ "$failures" -eq 0 ]
