@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/device_matrix.h"
 #include "dist/communicator.h"
 #include "dist/dist_config.h"
 
@@ -91,8 +92,11 @@ class EpExperts {
   // first_expert() and num_local(), the Experts layout). comm: this rank's endpoint of an NCCL
   // group of config.ranks (the collective backends); p2p: the group's exchange (kP2p). Throws
   // kInvalidArgument for a bad configuration, kUnsupported for a backend this build lacks.
-  EpExperts(const EpLayerConfig& config, const void* gate_up, const void* down,
+  EpExperts(const EpLayerConfig& config, const DeviceMatrix& gate_up, const DeviceMatrix& down,
             dist::Communicator* comm, P2pExchange* p2p);
+  // The same over bf16 pointers in the Experts layout.
+  EpExperts(const EpLayerConfig& config, const void* gate_up, const void* down, dist::Communicator* comm,
+            P2pExchange* p2p);
   ~EpExperts();
   EpExperts(const EpExperts&) = delete;
   EpExperts& operator=(const EpExperts&) = delete;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "backend/device_matrix.h"
 #include "moe/experts.h"
 
 namespace moe::cuda {
@@ -41,6 +42,11 @@ class Experts {
   // max_tokens (1 to 65536) bounds M. Throws kUnsupported for a shape neither path runs or when
   // no CUDA device `device` exists; kInvalidArgument for a malformed shape.
   Experts(const void* gate_up, const void* down, ExpertShape shape, int64_t max_tokens,
+          int device = 0);
+  // The same over matrices that carry their format (DeviceMatrix), gate_up shape.experts x
+  // [2 * inter, hidden] and down shape.experts x [hidden, inter], contiguous: kInvalidArgument
+  // for other shapes, kUnsupported for a format the expert kernels do not read.
+  Experts(const DeviceMatrix& gate_up, const DeviceMatrix& down, ExpertShape shape, int64_t max_tokens,
           int device = 0);
 
   // Bytes of device workspace forward() needs for up to max_tokens (plan, activations, partial

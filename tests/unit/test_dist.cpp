@@ -811,6 +811,28 @@ TEST(DistConfig, BackendNames) {
   EXPECT_FALSE(ep_backend_needs_gpu(EpBackend::kAlltoallPacked));
 }
 
+// What the engine builds on: which backends may sit inside a decode graph, which leave partial
+// sums for the caller to reduce, and how many rows their experts must be sized for.
+TEST(DistConfig, BackendTraitsDescribeTheExchange) {
+  for (const std::string& name : ep_backend_names()) {
+    const EpBackendTraits& t = ep_backend_traits(parse_ep_backend(name));
+    const bool host_driven = name.find("all") != std::string::npos && name != "local_allreduce";
+    EXPECT_EQ(t.graph_capturable, !host_driven && name != "deepep") << name;
+    EXPECT_EQ(t.reduced_output, name != "local_allreduce") << name;
+    EXPECT_EQ(t.host_counts, name == "alltoall_packed") << name;
+    EXPECT_EQ(t.needs_peer_access, name == "p2p") << name;
+    EXPECT_EQ(t.needs_gpu, ep_backend_needs_gpu(parse_ep_backend(name))) << name;
+  }
+  // Sharded backends receive at most one slice of ceil(T / n) rows from each of n ranks.
+  const EpBackendTraits& packed = ep_backend_traits(EpBackend::kAlltoallPacked);
+  EXPECT_EQ(packed.expert_rows(10, 4), 12);
+  EXPECT_EQ(packed.expert_rows(1, 8), 8);
+  EXPECT_EQ(packed.expert_rows(64, 2), 64);
+  EXPECT_EQ(ep_backend_traits(EpBackend::kAllgatherReducescatter).expert_rows(10, 4), 10);
+  EXPECT_EQ(ep_backend_traits(EpBackend::kLocalAllreduce).expert_rows(1, 8), 1);
+  EXPECT_EQ(ep_backend_traits(EpBackend::kP2p).expert_rows(5, 2), 6);
+}
+
 TEST(DistConfig, UnknownBackendListsValidNames) {
   DistConfig config;
   config.ep_backend = "alltoall";

@@ -199,6 +199,12 @@ int64_t expert_rows(const EpLayerConfig& c) {
   return dist::ep_backend_traits(c.backend).expert_rows(c.max_tokens, c.ranks);
 }
 
+// This rank's experts under the configuration (0 for one the constructor will refuse).
+int64_t local_experts(const EpLayerConfig& c) {
+  if (c.ranks < 1 || c.rank < 0 || c.rank >= c.ranks || c.experts < c.ranks) return 0;
+  return ExpertPlacement(c.experts, c.ranks, c.rank).num_local();
+}
+
 // Carves the buffers of s.c's backend from `v` (a sizing pass, then the real one).
 void layout(EpExperts::State& s, Carver& v) {
   const EpLayerConfig& c = s.c;
@@ -239,6 +245,11 @@ void layout(EpExperts::State& s, Carver& v) {
 }  // namespace
 
 EpExperts::EpExperts(const EpLayerConfig& config, const void* gate_up, const void* down,
+                     dist::Communicator* comm, P2pExchange* p2p)
+    : EpExperts(config, DeviceMatrix::bf16(gate_up, 2 * config.inter, config.hidden, local_experts(config)),
+                DeviceMatrix::bf16(down, config.hidden, config.inter, local_experts(config)), comm, p2p) {}
+
+EpExperts::EpExperts(const EpLayerConfig& config, const DeviceMatrix& gate_up, const DeviceMatrix& down,
                      dist::Communicator* comm, P2pExchange* p2p)
     : s_(std::make_unique<State>()) {
   State& s = *s_;

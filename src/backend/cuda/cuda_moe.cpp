@@ -103,6 +103,24 @@ bool experts_support(const ExpertShape& s, ExpertPath path) {
   }
 }
 
+namespace {
+
+// A layer's expert matrices as the kernels read them: count x [rows, cols] contiguous, bf16.
+const void* expert_matrices(const DeviceMatrix& m, int64_t rows, int64_t cols, int64_t count, const char* what) {
+  MOE_CHECK(m.count == count && m.rows == rows && m.cols == cols && m.matrix_stride() == rows * cols,
+            kInvalidArgument, "{}: {} x [{}, {}] (stride {}) where {} x [{}, {}] contiguous was expected", what,
+            m.count, m.rows, m.cols, m.matrix_stride(), count, rows, cols);
+  return m.bf16_data(what);
+}
+
+}  // namespace
+
+Experts::Experts(const DeviceMatrix& gate_up, const DeviceMatrix& down, ExpertShape shape, int64_t max_tokens,
+                 int device)
+    : Experts(expert_matrices(gate_up, 2 * shape.inter, shape.hidden, shape.experts, "the experts' gate_up"),
+              expert_matrices(down, shape.hidden, shape.inter, shape.experts, "the experts' down"), shape, max_tokens,
+              device) {}
+
 Experts::Experts(const void* gate_up, const void* down, ExpertShape shape, int64_t max_tokens,
                  int device)
     : gate_up_(gate_up), down_(down), shape_(shape), max_tokens_(max_tokens), device_(device) {

@@ -174,14 +174,21 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     if (!t.defined()) return nullptr;
     return static_cast<const uint16_t*>(model->mirror.base()) + layout->offset_of(t.data<float>()) / 4;
   };
+  // A loaded matrix as the kernels take it: [rows, cols], or count x [rows, cols] for a 3-D
+  // tensor (a layer's experts); empty for a tensor the model does not have.
+  auto matrix = [&](const Tensor& t) -> DeviceMatrix {
+    if (!t.defined()) return {};
+    if (t.ndim() == 3) return DeviceMatrix::bf16(bf16(t), t.dim(1), t.dim(2), t.dim(0));
+    return DeviceMatrix::bf16(bf16(t), t.dim(0), t.numel() / t.dim(0));
+  };
   // Columns [first, first + width) of a [hidden, columns] matrix (an output projection's share
   // under tp), as a dense [hidden, width] matrix in the derived arena.
-  auto gather_columns = [&](const uint16_t* m, int64_t columns, int64_t first, int64_t width) -> const uint16_t* {
-    uint16_t* out = model->derived.take_n<uint16_t>(static_cast<size_t>(mc.hidden_size * width));
-    MOE_CUDA_CHECK(cudaMemcpy2D(out, static_cast<size_t>(width) * 2, m + first, static_cast<size_t>(columns) * 2,
-                                static_cast<size_t>(width) * 2, static_cast<size_t>(mc.hidden_size),
-                                cudaMemcpyDeviceToDevice));
-    return out;
+  auto gather_columns = [&](const DeviceMatrix& m, int64_t first, int64_t width) -> DeviceMatrix {
+    const uint16_t* from = m.bf16_data("a split output projection");
+    uint16_t* out = model->derived.take_n<uint16_t>(static_cast<size_t>(m.rows * width));
+    MOE_CUDA_CHECK(cudaMemcpy2D(out, static_cast<size_t>(width) * 2, from + first, static_cast<size_t>(m.cols) * 2,
+                                static_cast<size_t>(width) * 2, static_cast<size_t>(m.rows), cudaMemcpyDeviceToDevice));
+    return DeviceMatrix::bf16(out, m.rows, width);
   };
 
   // Weights rearranged at load, per layer. Latent attention: this rank's heads' absorbed keys,
@@ -202,8 +209,8 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
   model->kv_heads = kv_heads;
   model->first_expert = first_expert;
   model->local_experts = local_experts;
-  model->embed = bf16(w.embed);
-  model->lm_head = bf16(w.lm_head);
+  model->embed = matrix(w.embed);
+  model->lm_head = matrix(w.lm_head);
   model->final_norm = f32(w.final_norm);
   const RopeTable rope = mc.rope();  // the CPU engine's table (model/rope.h)
   model->inv_freq = upload_f32(rope.inv_freq.data(), rope.inv_freq.size());
@@ -215,28 +222,32 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     d.input_norm = f32(lw.input_norm);
     d.post_norm = f32(lw.post_attention_norm);
     const AttentionWeights& a = lw.attn;
-    d.q = bf16(a.q);
-    d.k = bf16(a.k);
-    d.v = bf16(a.v);
-    d.o = bf16(a.o);
-    d.qkv_fused = d.k == d.q + a.q.numel() && d.v == d.k + a.k.numel();
+    d.q = matrix(a.q);
+    d.k = matrix(a.k);
+    d.v = matrix(a.v);
+    d.o = matrix(a.o);
+    const auto* q_end = static_cast<const char*>(d.q.data) + a.q.numel() * 2;
+    d.qkv_fused = d.k && d.k.data == q_end && d.v.data == static_cast<const char*>(d.k.data) + a.k.numel() * 2;
+    if (d.qkv_fused) d.q.rows += d.k.rows + d.v.rows;  // one projection over the three
     const int64_t hd = mc.head_dim;
     if (split_heads && !mla) {
       // Rows of q, k and v are contiguous per head; the output projection's columns are not.
-      const int64_t qw = mc.num_heads * hd, qw_local = q_heads * hd, kw_local = kv_heads * hd;
+      const int64_t qw_local = q_heads * hd, kw_local = kv_heads * hd;
       const size_t row = static_cast<size_t>(mc.hidden_size) * 2;
       uint16_t* qkv = model->derived.take_n<uint16_t>(static_cast<size_t>((qw_local + 2 * kw_local) * mc.hidden_size));
-      MOE_CUDA_CHECK(cudaMemcpy(qkv, d.q + q_first * hd * mc.hidden_size, static_cast<size_t>(qw_local) * row,
+      const uint16_t *q = d.q.bf16_data("split attention"), *k = d.k.bf16_data("split attention"),
+                     *v = d.v.bf16_data("split attention");
+      MOE_CUDA_CHECK(cudaMemcpy(qkv, q + q_first * hd * mc.hidden_size, static_cast<size_t>(qw_local) * row,
                                 cudaMemcpyDeviceToDevice));
-      MOE_CUDA_CHECK(cudaMemcpy(qkv + qw_local * mc.hidden_size, d.k + kv_first * hd * mc.hidden_size,
+      MOE_CUDA_CHECK(cudaMemcpy(qkv + qw_local * mc.hidden_size, k + kv_first * hd * mc.hidden_size,
                                 static_cast<size_t>(kw_local) * row, cudaMemcpyDeviceToDevice));
-      MOE_CUDA_CHECK(cudaMemcpy(qkv + (qw_local + kw_local) * mc.hidden_size, d.v + kv_first * hd * mc.hidden_size,
+      MOE_CUDA_CHECK(cudaMemcpy(qkv + (qw_local + kw_local) * mc.hidden_size, v + kv_first * hd * mc.hidden_size,
                                 static_cast<size_t>(kw_local) * row, cudaMemcpyDeviceToDevice));
-      d.q = qkv;
-      d.k = qkv + qw_local * mc.hidden_size;
-      d.v = d.k + kw_local * mc.hidden_size;
+      d.q = DeviceMatrix::bf16(qkv, qw_local + 2 * kw_local, mc.hidden_size);  // q, k and v rows
+      d.k = d.q.row_slice(qw_local, kw_local);
+      d.v = d.q.row_slice(qw_local + kw_local, kw_local);
       d.qkv_fused = true;
-      d.o = gather_columns(d.o, qw, q_first * hd, qw_local);
+      d.o = gather_columns(d.o, q_first * hd, qw_local);
     }
     if (mc.qkv_bias) {
       std::vector<float> bias;
@@ -256,37 +267,38 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
       // projection and of kv_b (each contiguous per head), and their columns of o.
       const MlaConfig& m = mc.mla;
       const int64_t qk = m.qk_head_dim(), kv_b_head = (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank;
-      d.q_a = bf16(a.q_a);
+      d.q_a = matrix(a.q_a);
       d.q_a_norm = f32(a.q_a_norm);
-      if (d.q_a) d.q_b = bf16(a.q_b) + q_first * qk * m.q_lora_rank;
-      else d.q += q_first * qk * mc.hidden_size;
-      d.kv_a = bf16(a.kv_a);
+      if (d.q_a) d.q_b = matrix(a.q_b).row_slice(q_first * qk, q_heads * qk);
+      else d.q = d.q.row_slice(q_first * qk, q_heads * qk);
+      d.kv_a = matrix(a.kv_a);
       d.kv_a_norm = f32(a.kv_a_norm);
-      const uint16_t* kv_b = bf16(a.kv_b) + q_first * kv_b_head;
-      d.uv = kv_b + m.qk_nope_head_dim * m.kv_lora_rank;
+      const uint16_t* kv_b = matrix(a.kv_b).bf16_data("latent attention") + q_first * kv_b_head;
+      d.uv = DeviceMatrix::bf16(kv_b + m.qk_nope_head_dim * m.kv_lora_rank, m.v_head_dim, m.kv_lora_rank, q_heads,
+                                kv_b_head);
       uint16_t* uk_t = model->derived.take_n<uint16_t>(static_cast<size_t>(q_heads * m.kv_lora_rank * m.qk_nope_head_dim));
       MOE_CUDA_CHECK(kernels::extract_uk_transposed(kv_b, static_cast<int>(q_heads),
                                                     static_cast<int>(m.qk_nope_head_dim),
                                                     static_cast<int>(m.v_head_dim),
                                                     static_cast<int>(m.kv_lora_rank), uk_t, nullptr));
-      d.uk_t = uk_t;
-      if (split_heads) d.o = gather_columns(d.o, mc.num_heads * m.v_head_dim, q_first * m.v_head_dim, q_heads * m.v_head_dim);
+      d.uk_t = DeviceMatrix::bf16(uk_t, m.kv_lora_rank, m.qk_nope_head_dim, q_heads);
+      if (split_heads) d.o = gather_columns(d.o, q_first * m.v_head_dim, q_heads * m.v_head_dim);
     }
     d.sparse = lw.sparse;
     if (lw.sparse) {
       const MoeWeights& m = lw.moe;
-      d.router = bf16(m.router);
+      d.router = matrix(m.router);
       d.router_bias = f32(m.router_bias);
       ExpertShape shape{m.experts.num_local, m.experts.hidden, m.experts.inter, mc.moe.top_k};
-      d.expert_gate_up = bf16(m.experts.gate_up);
-      d.expert_down = bf16(m.experts.down);
+      d.expert_gate_up = matrix(m.experts.gate_up);
+      d.expert_down = matrix(m.experts.down);
       d.experts = std::make_unique<Experts>(d.expert_gate_up, d.expert_down, shape, opts.max_tokens, opts.device);
-      d.shared_gate_up = bf16(m.shared.gate_up);
-      d.shared_down = bf16(m.shared.down);
-      d.shared_gate = bf16(m.shared_gate);
+      d.shared_gate_up = matrix(m.shared.gate_up);
+      d.shared_down = matrix(m.shared.down);
+      d.shared_gate = matrix(m.shared_gate);
     } else {
-      d.mlp_gate_up = bf16(lw.mlp.gate_up);
-      d.mlp_down = bf16(lw.mlp.down);
+      d.mlp_gate_up = matrix(lw.mlp.gate_up);
+      d.mlp_down = matrix(lw.mlp.down);
     }
     model->layers.push_back(std::move(d));
   }

@@ -1,7 +1,7 @@
-// The model's weights on one device, in the layout the CUDA engine runs: bf16 matrices at the
-// offsets the host loader lays out (a bf16 mirror of an address-space arena, so a 60 GB model
-// never exists as f32 on the host), f32 norms and biases, the routed experts of each sparse
-// layer behind cuda::Experts.
+// The model's weights on one device, in the layout the CUDA engine runs: matrices, each a
+// DeviceMatrix that carries its format (bf16 so far), at the offsets the host loader lays out (a
+// bf16 mirror of an address-space arena, so a 60 GB model never exists as f32 on the host), f32
+// norms and biases, the routed experts of each sparse layer behind cuda::Experts.
 #pragma once
 
 #include <memory>
@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backend/cuda/device_arena.h"
+#include "backend/device_matrix.h"
 #include "backend/cuda_moe.h"
 #include "model/config.h"
 
@@ -17,34 +18,33 @@ namespace moe::cuda {
 struct DeviceLayer {
   const float* input_norm = nullptr;
   const float* post_norm = nullptr;
-  // Attention: q, k, v rows back to back when qkv_fused (one projection), else three.
-  const uint16_t *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
+  // Attention: q, k, v rows back to back when qkv_fused (then q holds all three), else three.
+  DeviceMatrix q, k, v, o;
   bool qkv_fused = false;
   const float* qkv_bias = nullptr;  // [(heads + 2 kv_heads) * head_dim] or null
   const float *q_norm = nullptr, *k_norm = nullptr;
   // Latent attention (MLA): q_a/q_b (q_lora_rank > 0) or q; kv_a; the absorbed per-head
-  // projections: uk_t [heads, lora, nope] (derived at load) and uv, the value rows of kv_b
-  // (head h at uv + h * (nope + v) * lora, [v, lora]).
-  const uint16_t *q_a = nullptr, *q_b = nullptr, *kv_a = nullptr, *uk_t = nullptr, *uv = nullptr;
+  // projections: uk_t, heads x [lora, nope] (derived at load), and uv, the value rows of kv_b
+  // (heads x [v, lora], (nope + v) * lora elements apart).
+  DeviceMatrix q_a, q_b, kv_a, uk_t, uv;
   const float *q_a_norm = nullptr, *kv_a_norm = nullptr;
   // Feed-forward
   bool sparse = false;
-  const uint16_t *mlp_gate_up = nullptr, *mlp_down = nullptr;  // dense layers
-  const uint16_t* router = nullptr;                             // [experts, hidden]
+  DeviceMatrix mlp_gate_up, mlp_down;  // dense layers
+  DeviceMatrix router;                 // [experts, hidden]
   const float* router_bias = nullptr;
   std::unique_ptr<Experts> experts;
   // This rank's block of routed experts in the Experts layout (what `experts` runs), for an
   // expert-parallel exchange that runs them itself.
-  const uint16_t *expert_gate_up = nullptr, *expert_down = nullptr;
-  const uint16_t *shared_gate_up = nullptr, *shared_down = nullptr, *shared_gate = nullptr;
+  DeviceMatrix expert_gate_up, expert_down;
+  DeviceMatrix shared_gate_up, shared_down, shared_gate;
 };
 
 struct DeviceModel {
   DeviceArena mirror;   // bf16 matrices
   DeviceArena small;    // f32 rank-1 tensors, rotary frequencies
   DeviceArena derived;  // weights rearranged at load (absorbed keys; a rank's attention slices)
-  const uint16_t* embed = nullptr;
-  const uint16_t* lm_head = nullptr;
+  DeviceMatrix embed, lm_head;
   const float* final_norm = nullptr;
   // This rank's share (all of it on one GPU): attention heads, and the block of routed experts
   // that starts at global expert first_expert.

@@ -10,6 +10,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/latent_attention_launch.h"
 #include "backend/cuda/ops_launch.h"
+#include "backend/cuda/projection.h"
 #include "backend/cuda/router_params.h"
 #include "moe/errors.h"
 
@@ -338,7 +339,7 @@ void Rank::run_layers(int64_t tokens, int64_t seqs, int64_t max_context) {
   const ModelConfig& c = config;
   const int t = static_cast<int>(tokens), hidden = static_cast<int>(c.hidden_size);
   mark("host: step metadata, waits");
-  MOE_CUDA_CHECK(kernels::embed(model->embed, meta.ids, t, hidden, static_cast<int>(c.vocab_size), ws.x, stream));
+  MOE_CUDA_CHECK(kernels::embed(model->embed.bf16_data("the embedding"), meta.ids, t, hidden, static_cast<int>(c.vocab_size), ws.x, stream));
   mark("embedding");
   bool has_branch = false, has_branch2 = false, normed = false;
   for (int64_t l = 0; l < c.num_layers; ++l) {
@@ -376,14 +377,14 @@ void Rank::latent_attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max
   const int64_t lora = m.kv_lora_rank, vd = m.v_head_dim, qk = m.qk_head_dim();
   constexpr float kLatentNormEps = 1e-6f;  // transformers builds these norms with its default
   if (L.q_a) {
-    blas->linear(ws.h, L.q_a, ws.mla_qa, OutType::kF32, tokens, m.q_lora_rank, c.hidden_size, stream);
+    project(*blas, ws.h, L.q_a, ws.mla_qa, OutType::kF32, tokens, stream);
     MOE_CUDA_CHECK(kernels::rms_norm(ws.mla_qa, L.q_a_norm, static_cast<int>(tokens),
                                      static_cast<int>(m.q_lora_rank), kLatentNormEps, ws.mla_qa_normed, stream));
-    blas->linear(ws.mla_qa_normed, L.q_b, ws.qkv, OutType::kF32, tokens, heads * qk, m.q_lora_rank, stream);
+    project(*blas, ws.mla_qa_normed, L.q_b, ws.qkv, OutType::kF32, tokens, stream);
   } else {
-    blas->linear(ws.h, L.q, ws.qkv, OutType::kF32, tokens, heads * qk, c.hidden_size, stream);
+    project(*blas, ws.h, L.q, ws.qkv, OutType::kF32, tokens, stream);
   }
-  blas->linear(ws.h, L.kv_a, ws.mla_kv, OutType::kF32, tokens, lora + rope, c.hidden_size, stream);
+  project(*blas, ws.h, L.kv_a, ws.mla_kv, OutType::kF32, tokens, stream);
   mark("q and latent projections");
   kernels::LatentCacheParams lc;
   lc.kv = ws.mla_kv;
@@ -412,8 +413,8 @@ void Rank::latent_attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max
   mq.lora = lc.lora;
   MOE_CUDA_CHECK(kernels::prepare_mla_q(mq, stream));
   mark("latent norm, rope, cache write");
-  blas->linear_batched(ws.mla_q_nope, heads * nope, nope, L.uk_t, lora * nope, ws.q, OutType::kBf16,
-                       heads * (lora + rope), lora + rope, tokens, lora, nope, heads, stream);
+  project_each(*blas, ws.mla_q_nope, heads * nope, nope, L.uk_t, ws.q, OutType::kBf16, heads * (lora + rope),
+               lora + rope, tokens, stream);
   mark("absorbed key projection");
   kernels::LatentAttentionParams a;
   a.q = ws.q;
@@ -434,10 +435,10 @@ void Rank::latent_attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max
   a.workspace = ws.attention;
   MOE_CUDA_CHECK(kernels::latent_attention(a, stream));
   mark("attention");
-  blas->linear_batched(ws.mla_o_lat, heads * lora, lora, L.uv, (nope + vd) * lora, ws.attn, OutType::kBf16,
-                       heads * vd, vd, tokens, vd, lora, heads, stream);
+  project_each(*blas, ws.mla_o_lat, heads * lora, lora, L.uv, ws.attn, OutType::kBf16, heads * vd, vd, tokens,
+               stream);
   mark("absorbed value projection");
-  blas->linear(ws.attn, L.o, ws.branch, OutType::kBf16, tokens, c.hidden_size, heads * vd, stream);
+  project(*blas, ws.attn, L.o, ws.branch, OutType::kBf16, tokens, stream);
   mark("o projection");
   sum_head_shares(L, tokens);
 }
@@ -449,11 +450,11 @@ void Rank::attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max_contex
   const int64_t hd = c.head_dim, qw = model->q_heads * hd, kw = model->kv_heads * hd;
   const int64_t qkvw = qw + 2 * kw;
   if (L.qkv_fused) {
-    blas->linear(ws.h, L.q, ws.qkv, OutType::kF32, tokens, qkvw, c.hidden_size, stream);
+    project(*blas, ws.h, L.q, ws.qkv, OutType::kF32, tokens, stream);
   } else {
-    blas->linear(ws.h, L.q, ws.qkv, OutType::kF32, tokens, qw, c.hidden_size, stream, qkvw);
-    blas->linear(ws.h, L.k, ws.qkv + qw, OutType::kF32, tokens, kw, c.hidden_size, stream, qkvw);
-    blas->linear(ws.h, L.v, ws.qkv + qw + kw, OutType::kF32, tokens, kw, c.hidden_size, stream, qkvw);
+    project(*blas, ws.h, L.q, ws.qkv, OutType::kF32, tokens, stream, qkvw);
+    project(*blas, ws.h, L.k, ws.qkv + qw, OutType::kF32, tokens, stream, qkvw);
+    project(*blas, ws.h, L.v, ws.qkv + qw + kw, OutType::kF32, tokens, stream, qkvw);
   }
   mark("qkv projection");
   kernels::QkvParams p;
@@ -498,7 +499,7 @@ void Rank::attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max_contex
   a.workspace = ws.attention;
   MOE_CUDA_CHECK(kernels::paged_attention(a, stream));
   mark("attention");
-  blas->linear(ws.attn, L.o, ws.branch, OutType::kBf16, tokens, c.hidden_size, qw, stream);
+  project(*blas, ws.attn, L.o, ws.branch, OutType::kBf16, tokens, stream);
   mark("o projection");
   sum_head_shares(L, tokens);
 }
@@ -536,7 +537,7 @@ void Rank::route(int64_t l, int64_t tokens) {
     q.norm_weight = L.post_norm;
     q.eps = c.rms_norm_eps;
     q.normed = ws.h;
-    q.router_weight = L.router;
+    q.router_weight = L.router.bf16_data("the fused router");
     q.logits = ws.router_logits;
     q.counter = ws.counter;
     q.hidden = hidden;
@@ -549,7 +550,7 @@ void Rank::route(int64_t l, int64_t tokens) {
                                          c.rms_norm_eps, ws.h, stream));
     mark("residual add + RMSNorm");
   }
-  blas->linear(ws.h, L.router, ws.router_logits, OutType::kF32, tokens, rc.num_experts, hidden, stream);
+  project(*blas, ws.h, L.router, ws.router_logits, OutType::kF32, tokens, stream);
   mark("router projection");
   MOE_CUDA_CHECK(kernels::route(ws.router_logits, rp, t, ws.topk_ids, ws.topk_weights, stream));
   mark("route (top-k)");
@@ -562,13 +563,12 @@ void Rank::route(int64_t l, int64_t tokens) {
 bool Rank::feed_forward(int64_t l, int64_t tokens, bool* next_normed) {
   const ModelConfig& c = config;
   const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
-  const int64_t hidden = c.hidden_size;
   const int t = static_cast<int>(tokens);
   if (!L.sparse) {
     const int64_t inter = c.intermediate_size;
-    blas->linear(ws.h, L.mlp_gate_up, ws.ffn_gate_up, OutType::kBf16, tokens, 2 * inter, hidden, stream);
+    project(*blas, ws.h, L.mlp_gate_up, ws.ffn_gate_up, OutType::kBf16, tokens, stream);
     MOE_CUDA_CHECK(kernels::silu_mul(ws.ffn_gate_up, t, static_cast<int>(inter), ws.ffn_act, stream));
-    blas->linear(ws.ffn_act, L.mlp_down, ws.branch, OutType::kBf16, tokens, hidden, inter, stream);
+    project(*blas, ws.ffn_act, L.mlp_down, ws.branch, OutType::kBf16, tokens, stream);
     mark("dense MLP");
     return false;
   }
@@ -623,11 +623,11 @@ bool Rank::shared_expert(int64_t l, int64_t tokens) {
   const int64_t hidden = c.hidden_size;
   const int t = static_cast<int>(tokens);
   const int64_t inter = c.moe.shared_intermediate;
-  blas->linear(ws.h, L.shared_gate_up, ws.ffn_gate_up, OutType::kBf16, tokens, 2 * inter, hidden, stream);
+  project(*blas, ws.h, L.shared_gate_up, ws.ffn_gate_up, OutType::kBf16, tokens, stream);
   MOE_CUDA_CHECK(kernels::silu_mul(ws.ffn_gate_up, t, static_cast<int>(inter), ws.ffn_act, stream));
-  blas->linear(ws.ffn_act, L.shared_down, ws.branch2, OutType::kBf16, tokens, hidden, inter, stream);
+  project(*blas, ws.ffn_act, L.shared_down, ws.branch2, OutType::kBf16, tokens, stream);
   if (L.shared_gate) {
-    blas->linear(ws.h, L.shared_gate, ws.shared_gate, OutType::kF32, tokens, 1, hidden, stream);
+    project(*blas, ws.h, L.shared_gate, ws.shared_gate, OutType::kF32, tokens, stream);
     MOE_CUDA_CHECK(kernels::sigmoid_scale_rows(ws.branch2, ws.shared_gate, t, static_cast<int>(hidden), stream));
   }
   mark("shared expert");
@@ -642,7 +642,7 @@ void Rank::head(int64_t first, int64_t rows, float* logits, int32_t* sampled) {
                                    static_cast<int>(rows), static_cast<int>(c.hidden_size),
                                    c.rms_norm_eps, ws.normed, stream));
   mark("residual add + RMSNorm");
-  blas->linear(ws.normed, model->lm_head, logits, OutType::kF32, rows, c.vocab_size, c.hidden_size, stream);
+  project(*blas, ws.normed, model->lm_head, logits, OutType::kF32, rows, stream);
   mark("lm_head");
   if (!sampled) return;
   kernels::SampleParams sp{meta.temperature, meta.top_k, meta.top_p, meta.seed, meta.step,

@@ -25,6 +25,9 @@ struct EpExperts::State {
 EpExperts::EpExperts(const EpLayerConfig&, const void*, const void*, dist::Communicator*, P2pExchange*) {
   MOE_THROW(kUnsupported, "GPU expert parallelism: this build has no CUDA backend (configure with -DMOE_CUDA=ON)");
 }
+EpExperts::EpExperts(const EpLayerConfig& c, const DeviceMatrix&, const DeviceMatrix&, dist::Communicator* comm,
+                     P2pExchange* p2p)
+    : EpExperts(c, nullptr, nullptr, comm, p2p) {}
 EpExperts::~EpExperts() = default;
 void EpExperts::forward(const uint16_t*, const int32_t*, const float*, int64_t, uint16_t*, void*) {}
 void EpExperts::check(void*) const {}

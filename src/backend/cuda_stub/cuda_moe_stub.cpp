@@ -12,6 +12,10 @@ namespace {
 
 bool experts_support(const ExpertShape&, ExpertPath) { return false; }
 
+Experts::Experts(const DeviceMatrix&, const DeviceMatrix&, ExpertShape shape, int64_t max_tokens, int device)
+    : gate_up_(nullptr), down_(nullptr), shape_(shape), max_tokens_(max_tokens), device_(device) {
+  not_built();
+}
 Experts::Experts(const void*, const void*, ExpertShape shape, int64_t max_tokens, int device)
     : gate_up_(nullptr), down_(nullptr), shape_(shape), max_tokens_(max_tokens), device_(device) {
   not_built();
