@@ -96,13 +96,17 @@ void Scheduler::unplan(Request& r) {
   planned_.erase(std::find(planned_.begin(), planned_.end(), &r));
 }
 
-void Scheduler::preempt(Request& r) {
-  if (r.planned > 0) unplan(r);
+void Scheduler::requeue(Request& r) {
   executor_.close(r.seq);  // recomputed later; its published blocks stay findable until reused
   r.seq = -1;
   r.fed = 0;
   running_.erase(std::find(running_.begin(), running_.end(), &r));
   waiting_.push_front(&r);
+}
+
+void Scheduler::preempt(Request& r) {
+  if (r.planned > 0) unplan(r);
+  requeue(r);
   ++stats_.preemptions;
   preempted_ = true;
 }
@@ -180,8 +184,18 @@ std::vector<Event> Scheduler::step() {
   try {
     next = executor_.run(step).tokens;
   } catch (...) {
-    for (Request* r : planned_) r->planned = 0;
+    // The executor may have run part of the step before it threw (the CUDA engine runs the decode
+    // rows before the prefill rows), so what the cache holds of a planned sequence is no longer
+    // what `fed` says. Each planned request goes back to be recomputed, the oldest at the front
+    // of the queue, and the next step starts from sequences that match their requests. A caller
+    // that then cancels every request (the request loop) finds them waiting, with no sequence.
+    std::vector<Request*> failed = std::move(planned_);
     planned_.clear();
+    std::sort(failed.begin(), failed.end(), [](const Request* a, const Request* b) { return a->id > b->id; });
+    for (Request* r : failed) {
+      r->planned = 0;
+      requeue(*r);
+    }
     throw;
   }
   ++stats_.steps;

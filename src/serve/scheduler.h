@@ -8,7 +8,9 @@
 // computes need; when they are not there, the newest running request is preempted (its sequence
 // closed, to be recomputed later from its prompt and the tokens it already generated), so running
 // out of blocks delays requests instead of failing them. A new (or preempted) request first takes
-// the cached blocks of its longest computed prefix (Executor::reuse_prefix).
+// the cached blocks of its longest computed prefix (Executor::reuse_prefix). A step whose run
+// throws sends every request it planned back the same way (the executor may have run part of the
+// step), then rethrows.
 //
 // Sampling is counter-based (runtime/executor.h): a request draws the same tokens whether it
 // runs alone, batched, chunked or preempted; greedy output equals the request run alone.
@@ -49,7 +51,9 @@ class Scheduler final : public Batcher {
   // cancelled. False when no such request is live.
   bool cancel(uint64_t id) override;
   // Plans and runs one step (admitting waiting requests when there is room) and returns what
-  // happened: one event per request that generated a token, finished or was cancelled.
+  // happened: one event per request that generated a token, finished or was cancelled. When the
+  // executor throws, the requests of the step have their sequences closed and wait to be
+  // recomputed from the start, and the exception goes on to the caller.
   std::vector<Event> step() override;
   bool busy() const override { return !waiting_.empty() || !running_.empty(); }
   SchedulerStats stats() const override;
@@ -61,6 +65,9 @@ class Scheduler final : public Batcher {
   int64_t room(const Request& r) const;  // tokens r can add within its blocks and the free ones
   void plan(Request& r, int64_t n);
   void unplan(Request& r);
+  // Closes r's sequence and puts r (running, not planned) at the front of the queue, to be
+  // recomputed from its prompt and the tokens it generated: for preemption and a failed step.
+  void requeue(Request& r);
   void preempt(Request& r);
   void emit(Request& r, int32_t token, std::vector<Event>& events, std::vector<Request*>& done);
 

@@ -1,17 +1,23 @@
 // The scheduler's plans over a stand-in executor (no model): the step budget and the sequence
 // limit hold, decodes come before prompt chunks, preemption and recomputation keep every request's
-// output, a failing step loses nothing, and no block stays taken. The stand-in keeps its sequences
-// in a real SequenceTable and "generates" a token that depends on the sequence's whole history
-// and the draw index only, so a request's output shows whether it was fed the right tokens.
+// output, a failing step loses nothing (also one that ran part of its rows before it failed), and
+// no block or sequence stays taken. The stand-in keeps its sequences in a real SequenceTable and
+// "generates" a token that depends on the sequence's whole history and the draw index only, so a
+// request's output shows whether it was fed the right tokens. Last, the request loop over the
+// scheduler after such a failure.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <map>
+#include <memory>
 #include <random>
+#include <set>
 
 #include "moe/errors.h"
 #include "runtime/executor.h"
 #include "runtime/sequence_table.h"
+#include "serve/request_loop.h"
 #include "serve/scheduler.h"
 #include "test_util.h"
 
@@ -40,9 +46,13 @@ class FakeExecutor final : public runtime::Executor {
   int32_t open() override {
     const int32_t seq = table_.open();
     sampled_last_[seq] = false;
+    open_.insert(seq);
     return seq;
   }
-  void close(int32_t seq) override { table_.close(seq); }
+  void close(int32_t seq) override {
+    table_.close(seq);
+    open_.erase(seq);
+  }
   int64_t length(int32_t seq) const override { return table_.at(seq).length; }
   int64_t reuse_prefix(int32_t seq, std::span<const int32_t> tokens) override {
     return table_.reuse_prefix(seq, tokens);
@@ -52,22 +62,26 @@ class FakeExecutor final : public runtime::Executor {
   }
   runtime::StepResult run(const runtime::StepPlan& plan) override {
     runtime::check_plan(plan, *this);
-    if (fail_next) {
-      fail_next = false;
-      MOE_THROW(kInternal, "the device went away");
-    }
     int64_t need = 0;
     for (const runtime::StepRow& r : plan.rows) need += table_.blocks_needed(r.seq, r.count);
     MOE_CHECK(need <= blocks_.free_blocks(), kInvalidArgument, "KV cache full");
     Recorded rec;
     std::vector<int32_t> out;
-    for (const runtime::StepRow& r : plan.rows) {
+    const bool fail = fail_after_rows >= 0;
+    const size_t rows = fail ? std::min(plan.rows.size(), static_cast<size_t>(fail_after_rows)) : plan.rows.size();
+    for (size_t i = 0; i < rows; ++i) {
+      const runtime::StepRow& r = plan.rows[i];
       rec.decode.push_back(sampled_last_[r.seq]);  // the token it feeds is one it generated
       sampled_last_[r.seq] = r.sample;
       table_.reserve(r.seq, r.count);
       table_.append(r.seq, std::span<const int32_t>(plan.tokens).subspan(static_cast<size_t>(r.offset),
                                                                           static_cast<size_t>(r.count)));
       out.push_back(r.sample ? next_token(table_.at(r.seq).tokens, r.draw) : -1);
+    }
+    if (fail) {
+      fail_after_rows = -1;
+      failed_plan = plan;
+      MOE_THROW(kInternal, "the device went away");
     }
     rec.plan = plan;
     plans.push_back(std::move(rec));
@@ -78,14 +92,22 @@ class FakeExecutor final : public runtime::Executor {
     runtime::StepPlan plan;
     std::vector<bool> decode;  // whether each row feeds the token its sequence drew last
   };
+  // The open sequences, and the tokens whose keys and values one of them holds.
+  std::vector<int32_t> open_sequences() const { return {open_.begin(), open_.end()}; }
+  const std::vector<int32_t>& history(int32_t seq) const { return table_.at(seq).tokens; }
+
   std::vector<Recorded> plans;
-  bool fail_next = false;
+  // >= 0: the next run feeds that many of its rows (their tokens into the cache, as a device
+  // that failed partway through a step leaves them), then throws and records the plan.
+  int64_t fail_after_rows = -1;
+  runtime::StepPlan failed_plan;
 
  private:
   runtime::ExecutorLimits limits_;
   BlockAllocator blocks_;
   SequenceTable table_;
   std::map<int32_t, bool> sampled_last_;
+  std::set<int32_t> open_;
 };
 
 // What a request generates alone: each token drawn from its whole history.
@@ -119,15 +141,33 @@ Submitted submit_all(Scheduler& s, std::mt19937& rng, int n, const std::function
   return submitted;
 }
 
-std::map<uint64_t, std::vector<int32_t>> run_to_end(Scheduler& s) {
+// Steps until nothing is left; after_step runs after each step.
+std::map<uint64_t, std::vector<int32_t>> run_to_end(Scheduler& s, const std::function<void()>& after_step = {}) {
   std::map<uint64_t, std::vector<int32_t>> got;
   for (int step = 0; s.busy(); ++step) {
     EXPECT_LT(step, 5000) << "the scheduler makes no progress";
     if (step >= 5000) break;
     for (const Event& e : s.step())
       if (e.token >= 0) got[e.id].push_back(e.token);
+    if (after_step) after_step();
   }
   return got;
+}
+
+// Every open sequence holds the start of one request's tokens (its prompt, then what it generates
+// alone): each request was fed from where its sequence ends, no token twice and none skipped.
+void expect_sequences_follow_requests(const FakeExecutor& x, const Submitted& submitted) {
+  for (int32_t seq : x.open_sequences()) {
+    const std::vector<int32_t>& held = x.history(seq);
+    bool found = false;
+    for (const auto& [id, req] : submitted) {
+      std::vector<int32_t> all = req.first;
+      const std::vector<int32_t> generated = alone(req.first, req.second);
+      all.insert(all.end(), generated.begin(), generated.end());
+      found = found || (held.size() <= all.size() && std::equal(held.begin(), held.end(), all.begin()));
+    }
+    EXPECT_TRUE(found) << "sequence " << seq << " holds " << held.size() << " tokens that are no request's";
+  }
 }
 
 TEST(SchedulerPlans, BudgetAndSequenceLimitHoldAndDecodesComeFirst) {
@@ -177,11 +217,96 @@ TEST(SchedulerPlans, AFailedStepLosesNothing) {
       submit_all(s, rng, 3, [](int i) { return 5 + 3 * i; }, [](int) { return 6; });
   std::map<uint64_t, std::vector<int32_t>> got;
   for (const Event& e : s.step()) got[e.id].push_back(e.token);
-  x.fail_next = true;
+  x.fail_after_rows = 0;
   EXPECT_THROW(s.step(), Error);
   for (auto& [id, tokens] : run_to_end(s)) got[id].insert(got[id].end(), tokens.begin(), tokens.end());
   for (const auto& [id, req] : submitted) EXPECT_EQ(got[id], alone(req.first, req.second)) << id;
   EXPECT_EQ(s.stats().blocks_used, 0);
+}
+
+// The CUDA engine runs a step's decode rows before its prefill rows, so a prefill row that fails
+// leaves the decodes' tokens in their sequences. The scheduler must not feed those again from
+// where it had counted: every request of the failed step starts over on a new sequence.
+TEST(SchedulerPlans, AStepThatFailsPartwayIsRecomputedFromTheStart) {
+  FakeExecutor x(3, 64, 4, 256);
+  Scheduler s(x, SchedulerConfig{16, 0, true});
+  std::mt19937 rng(11);
+  // Prompts of 5, 8 and 11: the first step computes 5 + 8 + 3 of them, the second has two decode
+  // rows, then the rest of the third prompt.
+  const Submitted submitted =
+      submit_all(s, rng, 3, [](int i) { return 5 + 3 * i; }, [](int) { return 6; });
+  std::map<uint64_t, std::vector<int32_t>> got;
+  for (const Event& e : s.step()) got[e.id].push_back(e.token);
+  x.fail_after_rows = 2;
+  EXPECT_THROW(s.step(), Error);
+  ASSERT_EQ(x.failed_plan.rows.size(), 3u);
+  EXPECT_EQ(x.failed_plan.rows[0].count, 1);
+  EXPECT_EQ(x.failed_plan.rows[1].count, 1);
+  EXPECT_EQ(x.failed_plan.rows[2].count, 8);
+
+  EXPECT_TRUE(x.open_sequences().empty()) << "the failed step's sequences are still open";
+  EXPECT_EQ(s.stats().running, 0);
+  EXPECT_EQ(s.stats().waiting, 3);
+  EXPECT_EQ(s.stats().blocks_used, 0);
+  const auto rest = run_to_end(s, [&] { expect_sequences_follow_requests(x, submitted); });
+  for (auto& [id, tokens] : rest) got[id].insert(got[id].end(), tokens.begin(), tokens.end());
+  for (const auto& [id, req] : submitted) EXPECT_EQ(got[id], alone(req.first, req.second)) << id;
+  EXPECT_EQ(s.stats().preemptions, 0);  // a failed step is not counted as one
+  EXPECT_EQ(s.stats().blocks_used, 0);
+  EXPECT_TRUE(x.open_sequences().empty());
+}
+
+// What the request loop does after a failed step: cancel every request, then step once more to
+// report it. Each sequence is closed exactly once (a second close would throw) and none stays open.
+TEST(SchedulerPlans, CancellingEveryRequestAfterAFailedStepClosesEachSequenceOnce) {
+  FakeExecutor x(2, 64, 4, 256);
+  Scheduler s(x, SchedulerConfig{16, 0, true});
+  std::mt19937 rng(13);
+  // Two run, the third waits for a sequence.
+  const Submitted submitted =
+      submit_all(s, rng, 3, [](int i) { return 4 + 5 * i; }, [](int) { return 6; });
+  s.step();
+  x.fail_after_rows = 1;
+  EXPECT_THROW(s.step(), Error);
+  for (const auto& [id, req] : submitted) EXPECT_TRUE(s.cancel(id)) << id;
+  std::vector<Event> events;
+  ASSERT_NO_THROW(events = s.step());
+  ASSERT_EQ(events.size(), 3u);
+  for (const Event& e : events) EXPECT_EQ(e.finish, FinishReason::kCancelled);
+  EXPECT_FALSE(s.busy());
+  EXPECT_TRUE(x.open_sequences().empty());
+  EXPECT_EQ(s.stats().blocks_used, 0);
+}
+
+// The request loop over the scheduler: a step that fails partway ends its request with the
+// reason, leaves no sequence open, and the next request is served as if alone.
+TEST(RequestLoop, AStepThatFailsPartwayEndsItsRequestAndTheNextOneIsServed) {
+  FakeExecutor x(2, 64, 4, 256);
+  x.fail_after_rows = 1;  // the first step: its one row is fed, then the step fails
+  auto run_job = [](RequestLoop& loop, std::vector<int32_t> prompt) {
+    auto job = std::make_shared<Job>();
+    job->prompt = std::move(prompt);
+    job->options.max_tokens = 5;
+    EXPECT_EQ(loop.submit(job), "");
+    std::unique_lock lock(job->m);
+    job->cv.wait(lock, [&] { return job->finished; });
+    return job;
+  };
+  std::mt19937 rng(17);
+  const std::vector<int32_t> first = random_prompt(rng, 9), second = random_prompt(rng, 7);
+  {
+    RequestLoop loop{std::make_unique<Scheduler>(x, SchedulerConfig{16, 0, true})};
+    const auto failed = run_job(loop, first);
+    EXPECT_NE(failed->failure.find("the device went away"), std::string::npos) << failed->failure;
+    const auto served = run_job(loop, second);
+    EXPECT_EQ(served->failure, "");
+    std::vector<int32_t> tokens;
+    for (const Event& e : served->events)
+      if (e.token >= 0) tokens.push_back(e.token);
+    EXPECT_EQ(tokens, alone(second, 5));
+  }
+  EXPECT_TRUE(x.open_sequences().empty());
+  EXPECT_EQ(x.kv_usage().free, 64);
 }
 
 TEST(SchedulerPlans, CancelClosesTheSequence) {
