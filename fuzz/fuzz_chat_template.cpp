@@ -16,7 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "io/chat_template.h"
+#include "text/chat_template.h"
 #include "moe/errors.h"
 
 namespace {

@@ -12,8 +12,8 @@
 #include <string>
 #include <string_view>
 
-#include "io/chat_template.h"
-#include "io/tokenizer.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
 #include "moe/errors.h"
 #include "serve/http/request_reader.h"
 #include "serve/openai_request.h"

@@ -32,8 +32,8 @@
 #include <nlohmann/json.hpp>
 
 #include "io/regular_file.h"
-#include "io/tokenizer.h"
-#include "io/unicode_util.h"
+#include "text/tokenizer.h"
+#include "text/unicode_util.h"
 #include "moe/errors.h"
 
 #ifndef MOE_SOURCE_DIR

@@ -18,12 +18,12 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "backend/cuda/blas.h"
+#include "backend/cuda/ops/blas.h"
 #include "backend/cuda/cuda_check.h"
-#include "backend/cuda/ops_launch.h"
-#include "backend/cuda/router_params.h"
+#include "backend/cuda/ops/ops_launch.h"
+#include "backend/cuda/moe/router_params.h"
 #include "backend/cuda_ep.h"
-#include "backend/nccl_communicator.h"
+#include "dist/nccl_communicator.h"
 #include "bench_common.h"
 #include "bench_layer.h"
 #include "backend/device_info.h"

@@ -28,9 +28,9 @@
 //
 // Build: cmake -DMOE_BUILD_LAB=ON, target lab_bulk_stream; or by hand from the repository root:
 //   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Isrc \
-//     -Iinclude -o /tmp/bulk_stream_lab lab/cuda/bulk_stream_lab.cu src/backend/cuda/moe_plan.cu
+//     -Iinclude -o /tmp/bulk_stream_lab lab/cuda/bulk_stream_lab.cu src/backend/cuda/moe/moe_plan.cu
 // Run:   /tmp/bulk_stream_lab
-#include "backend/cuda/moe_decode.cu"
+#include "backend/cuda/moe/moe_decode.cu"
 
 #include <algorithm>
 #include <cstdio>

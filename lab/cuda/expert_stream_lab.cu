@@ -1,4 +1,4 @@
-// Kernel lab: where the decode path's persistent expert GEMV (src/backend/cuda/moe_decode.cu,
+// Kernel lab: where the decode path's persistent expert GEMV (src/backend/cuda/moe/moe_decode.cu,
 // included below, so that the baseline is the library's own code) loses time at M = 1.
 //
 // Measured before (ncu, H100, qwen3-30b-a3b at M = 1): gate_up read 50.3 MB in 23.8 µs, down
@@ -20,9 +20,9 @@
 //
 // Build: cmake -DMOE_BUILD_LAB=ON, target lab_expert_stream; or by hand from the repository root:
 //   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Isrc \
-//     -Iinclude -o /tmp/expert_stream_lab lab/cuda/expert_stream_lab.cu src/backend/cuda/moe_plan.cu
+//     -Iinclude -o /tmp/expert_stream_lab lab/cuda/expert_stream_lab.cu src/backend/cuda/moe/moe_plan.cu
 // Run:   /tmp/expert_stream_lab
-#include "backend/cuda/moe_decode.cu"
+#include "backend/cuda/moe/moe_decode.cu"
 
 #include <algorithm>
 #include <cstdio>

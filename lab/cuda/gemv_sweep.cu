@@ -1,7 +1,7 @@
 // Kernel lab: the dense bf16 GEMV of decode (y = W x, W [n, k] row-major, M rows of x) over the
 // shapes of a qwen3-30b-a3b decode step at batch 1: the fused qkv projection (5120 x 2048), the
 // output projection (2048 x 4096) and a wide one (lm_head-like, 32768 x 2048). The first row is
-// the library's own `gemv_bf16` (src/backend/cuda/gemv.cu, whatever block shape it picks for the
+// the library's own `gemv_bf16` (src/backend/cuda/ops/gemv.cu, whatever block shape it picks for the
 // shape); the others are variants of one lab kernel: rows per warp, 16-byte loads in flight per
 // row, warps per block, and the load instruction (the read-only path, or the library's streaming
 // load from stream_load.cuh: no L1 allocation, 256-byte L2 fetches).
@@ -13,7 +13,7 @@
 //
 // Build: cmake -DMOE_BUILD_LAB=ON, target lab_gemv_sweep; or by hand from the repository root:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc -Iinclude \
-//     -o /tmp/gemv_sweep lab/cuda/gemv_sweep.cu src/backend/cuda/gemv.cu
+//     -o /tmp/gemv_sweep lab/cuda/gemv_sweep.cu src/backend/cuda/ops/gemv.cu
 // Decisions taken from it: docs/perf/dense-gemv-blocks.md.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -25,7 +25,7 @@
 #include <random>
 #include <vector>
 
-#include "backend/cuda/gemv_launch.h"
+#include "backend/cuda/ops/gemv_launch.h"
 #include "backend/cuda/pdl.h"
 #include "backend/cuda/stream_load.cuh"
 

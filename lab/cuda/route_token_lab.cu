@@ -8,7 +8,7 @@
 #include <vector>
 #include <random>
 
-#include "backend/cuda/route_device.cuh"
+#include "backend/cuda/moe/route_device.cuh"
 
 using namespace moe::cuda::kernels;
 using namespace moe::cuda::kernels::route_detail;

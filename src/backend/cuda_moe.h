@@ -1,7 +1,7 @@
 // The routed experts of one MoE layer on a CUDA device: bf16 weights and activations, f32
 // accumulation. Routing (ids, weights) and the plan stay on the device; forward() allocates
 // nothing and can be captured in a CUDA graph. Two paths, picked per call by M (the heuristics
-// are in backend/cuda/moe_heuristics.h): a GEMV path for small M (decode) and a tensor-core
+// are in backend/cuda/moe/moe_heuristics.h): a GEMV path for small M (decode) and a tensor-core
 // grouped GEMM for large M (prefill), on wgmma + TMA where the device is sm_90. Declared without CUDA types so CPU-only code can include
 // it; in a build without CUDA every constructor throws kUnsupported.
 #pragma once
@@ -77,7 +77,7 @@ class Experts {
 
   // forward() without its combine: the per-slot partial sums stay in the workspace, for a
   // caller that sums each row's slots itself (the p2p exchange does it while sending rows back;
-  // backend/cuda/slot_sums.cuh). Row t's sum at column h is, in slot order j < top_k (slots with
+  // backend/cuda/moe/slot_sums.cuh). Row t's sum at column h is, in slot order j < top_k (slots with
   // id -1 skipped), then split order, the sum of sums[((i * split_stride) + t * top_k + j) * H + h].
   struct Partials {
     const void* sums = nullptr;  // in the workspace

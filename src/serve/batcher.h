@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "io/tokenizer.h"
+#include "text/tokenizer.h"
 #include "runtime/sampler.h"
 
 namespace moe::serve {

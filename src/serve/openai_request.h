@@ -11,8 +11,8 @@
 #include <string_view>
 #include <vector>
 
-#include "io/chat_template.h"
-#include "io/tokenizer.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
 #include "serve/batcher.h"
 
 namespace moe::serve {

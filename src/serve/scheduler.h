@@ -24,7 +24,7 @@
 #include <memory>
 #include <vector>
 
-#include "io/tokenizer.h"
+#include "text/tokenizer.h"
 #include "runtime/executor.h"
 #include "serve/batcher.h"
 

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "backend/cpu/kernels.h"
-#include "backend/cuda/attention_launch.h"
+#include "backend/cuda/attention/attention_launch.h"
 #include "gpu_test_util.h"
 
 namespace moe {

@@ -6,7 +6,7 @@
 #include <random>
 
 #include "backend/cpu/kernels.h"
-#include "backend/cuda/blas.h"
+#include "backend/cuda/ops/blas.h"
 #include "gpu_test_util.h"
 
 namespace moe {

@@ -18,7 +18,7 @@
 
 #include "backend/cuda_ep.h"
 #include "backend/cuda_moe.h"
-#include "backend/nccl_communicator.h"
+#include "dist/nccl_communicator.h"
 #include "gpu_test_util.h"
 #include "moe/errors.h"
 #include "moe/placement.h"

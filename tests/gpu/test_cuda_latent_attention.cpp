@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "backend/cpu/kernels.h"
-#include "backend/cuda/latent_attention_launch.h"
+#include "backend/cuda/attention/latent_attention_launch.h"
 #include "gpu_test_util.h"
 
 namespace moe {

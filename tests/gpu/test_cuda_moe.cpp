@@ -11,7 +11,7 @@
 #include <random>
 #include <string>
 
-#include "backend/cuda/moe_heuristics.h"
+#include "backend/cuda/moe/moe_heuristics.h"
 #include "backend/cuda_moe.h"
 #include "gpu_test_util.h"
 #include "moe/errors.h"

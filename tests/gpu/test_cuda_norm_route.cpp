@@ -1,4 +1,4 @@
-// The fused decode routing (src/backend/cuda/norm_route.cu) against the CPU: residual add and
+// The fused decode routing (src/backend/cuda/moe/norm_route.cu) against the CPU: residual add and
 // RMSNorm as the CPU computes them (the residual exactly: one f32 add per element; the
 // normalised rows within one bf16 step, the sum of squares being added in another order), router
 // logits as a double-precision product of the same bf16 rows and weights (bound 1e-4 of the
@@ -12,8 +12,8 @@
 #include <random>
 #include <vector>
 
-#include "backend/cuda/ops_launch.h"
-#include "backend/cuda/router_params.h"
+#include "backend/cuda/ops/ops_launch.h"
+#include "backend/cuda/moe/router_params.h"
 #include "gpu_test_util.h"
 #include "moe/errors.h"
 #include "moe/router.h"

@@ -1,4 +1,4 @@
-// The small CUDA ops (src/backend/cuda/ops.cu) against the CPU kernels on the same bf16-exact
+// The small CUDA ops (src/backend/cuda/ops/ops.cu) against the CPU kernels on the same bf16-exact
 // inputs, outputs poisoned first. Bounds, per element of a bf16 output: the kernels compute in
 // f32 as the CPU does and differ only in reduction order and libm rounding (a few f32 ulps), so
 // the bf16 result is the reference rounded to bf16 (error <= 2^-8 relative) or, when the f32
@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "backend/cpu/kernels.h"
-#include "backend/cuda/ops_launch.h"
+#include "backend/cuda/ops/ops_launch.h"
 #include "core/thread_pool.h"
 #include "gpu_test_util.h"
 #include "model/rope.h"

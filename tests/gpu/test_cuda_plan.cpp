@@ -1,4 +1,4 @@
-// The routed-expert plan (launch_plan in src/backend/cuda/moe_plan.cu) against a plan computed
+// The routed-expert plan (launch_plan in src/backend/cuda/moe/moe_plan.cu) against a plan computed
 // here on the host: counts and offsets, each expert's slots (as a set: their order inside an
 // expert is not fixed), the touched experts and the GEMM row tiles. Slot counts on both sides
 // of the switch from one block to the multi-block plan, past the count where each block's range
@@ -10,9 +10,9 @@
 #include <random>
 #include <vector>
 
-#include "backend/cuda/moe_decode_launch.h"
-#include "backend/cuda/moe_heuristics.h"
-#include "backend/cuda/moe_wgmma_launch.h"
+#include "backend/cuda/moe/moe_decode_launch.h"
+#include "backend/cuda/moe/moe_heuristics.h"
+#include "backend/cuda/moe/moe_wgmma_launch.h"
 #include "gpu_test_util.h"
 
 namespace moe {

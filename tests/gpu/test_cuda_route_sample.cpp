@@ -1,4 +1,4 @@
-// The device routers and samplers (src/backend/cuda/route_sample.cu).
+// The device routers and samplers (src/backend/cuda/moe/route_sample.cu).
 // Routers: compared with moe::route on many random tokens, every configuration it supports, with
 // exact ties (logits drawn from a handful of values), -inf and very negative logits, saturated
 // sigmoids. Bound: the same expert ids, in the same (ascending) order; weights within 1e-6
@@ -22,8 +22,8 @@
 #include <random>
 #include <vector>
 
-#include "backend/cuda/ops_launch.h"
-#include "backend/cuda/router_params.h"
+#include "backend/cuda/ops/ops_launch.h"
+#include "backend/cuda/moe/router_params.h"
 #include "gpu_test_util.h"
 #include "moe/router.h"
 

@@ -1,4 +1,4 @@
-// The NCCL communicator (src/backend/nccl_communicator.h) against the in-process group, which
+// The NCCL communicator (src/dist/nccl_communicator.h) against the in-process group, which
 // the CPU tests pin down: every collective, on every GPU of the machine (at least two), must give
 // the same bytes on every rank, and the same byte accounting. Sums in f32, bf16 and f16 are
 // compared bit for bit (both add in rank order in f32 and round once). A rank that never joins a
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/nccl_communicator.h"
+#include "dist/nccl_communicator.h"
 #include "dist/rank_group.h"
 #include "gpu_test_util.h"
 #include "moe/errors.h"

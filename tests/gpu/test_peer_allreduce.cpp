@@ -1,4 +1,4 @@
-// The peer all-reduce of the multi-GPU engine (src/backend/cuda/peer_allreduce.h) on every GPU
+// The peer all-reduce of the multi-GPU engine (src/backend/cuda/comm/peer_allreduce.h) on every GPU
 // of the machine: each rank's result must be, bit for bit, the rank-order f32 sum of the
 // partials rounded once to bf16 (the host computes it); calls of different sizes alternate so
 // that both inbox parities are reused; replays of captured graphs see new data; a rank that
@@ -10,7 +10,7 @@
 #include <random>
 #include <string>
 
-#include "backend/cuda/peer_allreduce.h"
+#include "backend/cuda/comm/peer_allreduce.h"
 #include "core/rank_threads.h"
 #include "gpu_test_util.h"
 #include "../unit/test_util.h"

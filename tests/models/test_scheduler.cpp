@@ -7,7 +7,7 @@
 #include <random>
 
 #include "backend/cpu/cpu_executor.h"
-#include "io/tokenizer.h"
+#include "text/tokenizer.h"
 #include "model/model.h"
 #include "serve/scheduler.h"
 #include "../support/fixtures.h"

@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "test_util.h"
-#include "io/chat_template.h"
+#include "text/chat_template.h"
 #include "moe/errors.h"
 
 namespace {

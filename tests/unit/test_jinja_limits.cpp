@@ -12,7 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "io/chat_template.h"
+#include "text/chat_template.h"
 #include "moe/errors.h"
 #include "test_util.h"
 

@@ -10,8 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "io/chat_template.h"
-#include "io/tokenizer.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
 #include "backend/cpu/cpu_executor.h"
 #include "model/model.h"
 #include "serve/openai_api.h"

@@ -17,7 +17,7 @@
 #include "io/hf_config.h"
 #include "io/regular_file.h"
 #include "io/safetensors.h"
-#include "io/tokenizer.h"
+#include "text/tokenizer.h"
 #include "model/config.h"
 #include "test_util.h"
 

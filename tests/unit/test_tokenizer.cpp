@@ -18,8 +18,8 @@
 #include <nlohmann/json.hpp>
 
 #include "test_util.h"
-#include "io/tokenizer.h"
-#include "io/unicode_util.h"
+#include "text/tokenizer.h"
+#include "text/unicode_util.h"
 #include "moe/errors.h"
 
 namespace {

@@ -13,8 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "io/tokenizer.h"
-#include "io/unicode_util.h"
+#include "text/tokenizer.h"
+#include "text/unicode_util.h"
 #include "moe/errors.h"
 #include "test_util.h"
 

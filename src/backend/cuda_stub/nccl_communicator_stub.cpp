@@ -1,4 +1,4 @@
-#include "backend/nccl_communicator.h"
+#include "dist/nccl_communicator.h"
 
 #include "moe/errors.h"
 

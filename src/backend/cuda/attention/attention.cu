@@ -1,0 +1,70 @@
+// Attention over a paged KV cache (attention_launch.h), bf16 in and out, f32 softmax and
+// accumulation: the checks of a call, the choice of its kernel and the size of its workspace.
+//
+// Three kernels, each correct for every input (decode rows, prefill rows, mixed batches), a file
+// each:
+// - attention_row.cu: one block per (query row, group of query heads sharing a kv head, context
+//   split), plain f32 FMAs; long contexts split and merged (flash-decoding). The reference, and
+//   the path for head dims the others lack.
+// - attention_decode.cu: the same decomposition with the group's heads as the rows of mma.sync
+//   tiles, K/V streamed by cp.async per warp, and the split count chosen per row on the device.
+// - attention_tiled.cu: one block per (64 rows of one sequence, one query head), key tiles of 64
+//   on mma.sync tensor cores (FlashAttention-2 layout): prefill.
+// Sequence lengths are read on the device; the host sizes only bound the grid. The kernels share
+// attention_device.cuh; the two tensor-core ones share mma_sync.cuh and online_softmax.cuh with the
+// latent attention kernel (latent_attention.cu).
+// Only CUDA headers here.
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "backend/cuda/attention/attention_launch.h"
+#include "backend/cuda/attention/attention_paths.h"
+
+namespace moe::cuda::kernels {
+
+size_t paged_attention_workspace_bytes(int tokens, int q_heads, int head_dim, int max_context, int split_keys) {
+  // The worst case over every call with at most `tokens` rows: fewer rows may use more splits.
+  size_t worst = 0;
+  for (int t = 1; t <= tokens; ++t) {
+    const int row = attention_detail::choose_row_splits(t, max_context);
+    const int dec = attention_detail::plan_decode(t, max_context, split_keys).splits;
+    const int s = row > dec ? row : dec;
+    if (s > 1 && (size_t)t * s > worst) worst = (size_t)t * s;
+  }
+  return worst * q_heads * (head_dim + 2) * sizeof(float);
+}
+
+bool paged_attention_has_tiled(int head_dim) {
+  return head_dim == 32 || head_dim == 64 || head_dim == 128;
+}
+
+bool paged_attention_has_decode(int head_dim) {
+  return head_dim == 32 || head_dim == 64 || head_dim == 128;
+}
+
+cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream) {
+  const bool pow2_block = (p.block_size & (p.block_size - 1)) == 0;
+  if (p.num_seqs <= 0 || p.tokens < 0 || p.q_heads <= 0 || p.kv_heads <= 0 ||
+      p.q_heads % p.kv_heads != 0 || p.head_dim <= 0 || p.head_dim % 8 != 0 ||
+      p.head_dim > kAttentionMaxHeadDim || !pow2_block || p.block_size < kAttentionMinBlockSize ||
+      p.block_size > kAttentionMaxBlockSize || p.max_blocks_per_seq <= 0 || p.max_context < 0)
+    return cudaErrorInvalidValue;
+  if (p.tokens == 0) return cudaSuccess;
+  AttentionPath path = p.path;
+  if (path == AttentionPath::kAuto) {
+    // Rows per sequence on average: decode has one, prefill hundreds. Below 16 most 64-row tiles
+    // would be padding.
+    const bool many_rows = p.tokens >= 16 * p.num_seqs;
+    if (many_rows && paged_attention_has_tiled(p.head_dim)) path = AttentionPath::kTiled;
+    else if (paged_attention_has_decode(p.head_dim)) path = AttentionPath::kDecode;
+    else path = AttentionPath::kRow;
+  }
+  switch (path) {
+    case AttentionPath::kTiled: return attention_detail::run_tiled(p, stream);
+    case AttentionPath::kDecode: return attention_detail::run_decode(p, stream);
+    default: return attention_detail::run_row(p, stream);
+  }
+}
+
+}  // namespace moe::cuda::kernels

@@ -1,0 +1,28 @@
+// Dense projections by weight format: the one place a projection's kernel is chosen from its
+// weight's format (backend/device_matrix.h). bf16 weights run through Blas (the weight-streaming
+// GEMV for a few rows, cuBLASLt otherwise); a format without kernels is refused with one line
+// naming it. A new format adds its case here and its kernels, not a new signature for callers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/ops/blas.h"
+#include "backend/device_matrix.h"
+
+namespace moe::cuda {
+
+// y[m, w.rows] = x[m, w.cols] · wᵀ, f32 accumulation; x bf16, y bf16 or f32 with `ldy`
+// elements between its rows (0: w.rows), so that projections can write the column blocks of
+// one output.
+void project(Blas& blas, const void* x, const DeviceMatrix& w, void* y, OutType out, int64_t m, cudaStream_t stream,
+             int64_t ldy = 0);
+
+// One product per matrix of w (w.count of them, latent attention's heads): product b reads
+// x + b * x_stride (rows ldx apart) and writes y + b * y_stride (rows ldy apart); strides in
+// elements.
+void project_each(Blas& blas, const void* x, int64_t ldx, int64_t x_stride, const DeviceMatrix& w, void* y,
+                  OutType out, int64_t ldy, int64_t y_stride, int64_t m, cudaStream_t stream);
+
+}  // namespace moe::cuda

@@ -1,0 +1,633 @@
+// Small-M (decode) routed-expert path, and the combine kernels that the grouped GEMM paths
+// (moe_prefill.cu, moe_wgmma.cu) share (the plan is in moe_plan.cu). Per touched expert each bf16
+// weight row is read once, with 16-byte streaming loads, and applied to all of that expert's
+// tokens.
+//
+// Two forms, switched at heuristics::kGemvDirectMaxSlots routed slots
+// (docs/perf/decode-direct-gemv.md):
+//  - direct (decode, M of 1 to 3): no plan kernel; the warps read the ids themselves (one slot
+//    per lane). Persistent grids (a warp loops over weight rows: no block churn, no tail of short
+//    blocks) chained by programmatic dependent launch, so each grid is resident before its
+//    predecessor ends: the down GEMV issues its first weight loads while gate_up drains, the
+//    combine has no launch gap. act and the f32 partial sums are kept by slot. One token with
+//    the plain combine (no folded norm, no partial sums left for an exchange) has no combine
+//    grid: down_combine_kernel sums each output row over the experts itself.
+//  - grouped (v2, up to the switch to the GEMM path): the plan, then one short block per touched
+//    expert and 4 rows; act by position in the plan's order, partial sums by slot. Chained by
+//    programmatic dependent launch too, every read after the wait (reading the plan before it,
+//    through L2, cost more than the launch gap it hid: docs/perf/strong-loads.md).
+// Nothing allocated, the counts only on the device, every output summed in a fixed order.
+// Only CUDA headers here: the host side (checks, errors, uploads) is in cuda_moe.cpp.
+#include <cuda_bf16.h>
+
+#include <type_traits>
+
+#include "backend/cuda/bf16x8.cuh"
+#include "backend/cuda/moe/moe_decode_launch.h"
+#include "backend/cuda/moe/moe_heuristics.h"
+#include "backend/cuda/pdl.h"
+#include "backend/cuda/moe/slot_sums.cuh"
+#include "backend/cuda/stream_load.cuh"
+
+namespace moe::cuda::kernels {
+
+namespace {
+
+constexpr int kGemvWarps = 4;      // per block
+constexpr int kGemvMinBlocks = 3;  // per SM: caps registers at 168 (12 warps, ~8 KB in flight each)
+constexpr int kDownCombineMinBlocks = 4;  // 128 registers: combine_batch's 12 loads fit
+constexpr int kDirectMaxSlots = 32;  // one slot per lane
+static_assert(heuristics::kGemvDirectMaxSlots <= kDirectMaxSlots, "one routed slot per lane");
+constexpr int kGroupedWarps = 4;      // v2's sweep: 4 warps per block, 3 blocks per SM
+constexpr int kGroupedMinBlocks = 3;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// A gate row and its up row, C 16-byte chunks per lane (lane-strided) through `load`, every load
+// issued before the first use: indices clamped into the row so that each issues unconditionally,
+// chunks past the row's end zeroed after loading.
+template <int C, typename Load>
+__device__ __forceinline__ void load_gate_up_rows(const uint4* g, const uint4* u, int chunks, int lane, Load&& load,
+                                                  uint4 (&gr)[C], uint4 (&ur)[C]) {
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int idx = min(c * 32 + lane, chunks - 1);
+    gr[c] = load(g + idx);
+    ur[c] = load(u + idx);
+  }
+#pragma unroll
+  for (int c = 0; c < C; ++c)
+    if (c * 32 + lane >= chunks) gr[c] = ur[c] = make_uint4(0, 0, 0, 0);
+}
+
+// One act value from the loaded gate and up rows and the activation row xr: SiLU(gate . x) *
+// (up . x), handed to store(value) on lane 0.
+template <int C, typename Store>
+__device__ __forceinline__ void gate_up_act(const uint4 (&gr)[C], const uint4 (&ur)[C], const uint4* xr, int chunks,
+                                            int lane, Store&& store) {
+  float gs = 0.f, us = 0.f;
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const uint4 xv = __ldg(xr + min(c * 32 + lane, chunks - 1));
+    gs += dot_bf16x8(gr[c], xv);
+    us += dot_bf16x8(ur[c], xv);
+  }
+  gs = warp_sum(gs);
+  us = warp_sum(us);
+  if (lane == 0) store(__float2bfloat16(gs / (1.f + __expf(-gs)) * us));
+}
+
+// The routed slots as one warp sees them, straight from the ids (lane s holds slot s's
+// expert; no plan needed): the active experts, ascending, and each one's slots. All methods are
+// warp-collective.
+struct Routing {
+  int id;    // -1 past the slots
+  int head;  // 1 on the lowest slot of each expert
+  int rank;  // of id among the distinct experts
+  int count;
+
+  __device__ Routing(const int* ids, int slots) {
+    const int lane = threadIdx.x % 32;
+    id = lane < slots ? __ldg(ids + lane) : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, id);
+    head = id >= 0 && lane == __ffs(peers) - 1;
+    rank = 0;
+#pragma unroll 4
+    for (int s = 0; s < kDirectMaxSlots; ++s) {
+      const int v = __shfl_sync(0xffffffffu, id, s), h = __shfl_sync(0xffffffffu, head, s);
+      rank += h && v < id;
+    }
+    count = __popc(__ballot_sync(0xffffffffu, head));
+  }
+  __device__ int num_active() const { return count; }
+  __device__ int expert(int a) const {
+    const int src = __ffs(__ballot_sync(0xffffffffu, head && rank == a)) - 1;
+    return __shfl_sync(0xffffffffu, id, src);
+  }
+  // f(slot) for each slot of e, the a-th active expert.
+  template <typename F>
+  __device__ void for_slots(int /*a*/, int e, F&& f) const {
+    for (unsigned m = __ballot_sync(0xffffffffu, id == e); m != 0; m &= m - 1) f(__ffs(m) - 1);
+  }
+};
+
+// The same for one token, whose k experts are distinct: every routed slot is its expert's only
+// slot, so the a-th active expert is the a-th slot with a local expert (id >= 0), found with one
+// ballot, and for_slots is a single call. (Were an expert repeated, its rows would be read once
+// per slot: slower, still right.) Besides skipping the ranks' 32-step loop, the kernels
+// built on it are straight-line code per item: 133 registers instead of 168 for gate_up at
+// hidden 2048, every weight load in flight before the first use (lab/cuda/expert_stream_lab.cu,
+// H100, qwen3-30b-a3b at M = 1: gate_up alone 21.6 -> 18.4 µs, the experts 33.4 -> 30.6 µs).
+struct OneTokenRouting {
+  int id;            // -1 past the slots or for another rank's expert
+  int slot_of_rank;  // lane a: the slot of the a-th active expert
+  int count;
+
+  __device__ OneTokenRouting(const int* ids, int slots) {
+    const int lane = threadIdx.x % 32;
+    id = lane < slots ? __ldg(ids + lane) : -1;
+    const unsigned valid = __ballot_sync(0xffffffffu, id >= 0);
+    count = __popc(valid);
+    slot_of_rank = lane < count ? static_cast<int>(__fns(valid, 0, lane + 1)) : 0;
+  }
+  __device__ int num_active() const { return count; }
+  __device__ int expert(int a) const {
+    return __shfl_sync(0xffffffffu, id, __shfl_sync(0xffffffffu, slot_of_rank, a));
+  }
+  __device__ int slot(int a) const { return __shfl_sync(0xffffffffu, slot_of_rank, a); }
+  template <typename F>
+  __device__ void for_slots(int a, int /*e*/, F&& f) const {
+    f(slot(a));
+  }
+};
+
+// Persistent: warp w of the grid takes items w, w + warps, ...; item = (active expert, row j):
+// the gate and up rows j (C 16-byte chunks per lane each, all loads issued before the first
+// use), applied to each of the expert's slots; act[slot, j] = bf16(SiLU(gate) * up).
+// Consecutive warps take consecutive rows, so the whole grid streams one region of memory.
+template <int C, typename Route>  // C: ceil(hidden / 256); Route: Routing or OneTokenRouting
+__global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) gate_up_kernel(
+    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_gate_up,
+    const int* __restrict__ ids, int slots, int hidden, int inter, int top_k,
+    __nv_bfloat16* __restrict__ act) {
+  wait_for_predecessor();  // chained after the router, whose ids it reads
+  allow_dependents();
+  const Route route(ids, slots);
+  const int lane = threadIdx.x % 32;
+  const int chunks = hidden / 8;
+  const int total = route.num_active() * inter;
+  for (int item = blockIdx.x * kGemvWarps + threadIdx.x / 32; item < total;
+       item += gridDim.x * kGemvWarps) {
+    const int e = route.expert(item / inter), j = item % inter;
+    const uint4* g = reinterpret_cast<const uint4*>(w_gate_up + ((size_t)e * 2 * inter + j) * hidden);
+    const uint4* u = g + (size_t)inter * chunks;
+    uint4 gr[C], ur[C];
+    load_gate_up_rows(g, u, chunks, lane, [](const uint4* p) { return load_stream(p); }, gr, ur);
+    route.for_slots(item / inter, e, [&](int s) {
+      const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(s / top_k) * hidden);
+      gate_up_act(gr, ur, xr, chunks, lane, [&](__nv_bfloat16 v) { act[(size_t)s * inter + j] = v; });
+    });
+  }
+}
+
+// Rows of down per warp item: 8 to 16 loads of 16 bytes in flight per lane (past 6 chunks two
+// rows spill at the 168-register cap).
+constexpr int down_rows(int chunks) { return chunks <= 2 ? 8 : chunks <= 4 ? 4 : chunks <= 6 ? 2 : 1; }
+
+// Persistent like gate_up; item = (active expert, R consecutive rows of down). The first item's
+// weights are loaded before waiting for gate_up (they do not depend on it): that is what fills
+// gate_up's tail. part[slot, h] = weight[slot] * (down[h] . act[slot]).
+template <int C, typename Route>  // C: ceil(inter / 256)
+__global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
+    const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ w_down,
+    const int* __restrict__ ids, int slots, const float* __restrict__ weights,
+    int hidden, int inter, float* __restrict__ part) {
+  constexpr int R = down_rows(C);
+  allow_dependents();
+  const Route route(ids, slots);
+  const int lane = threadIdx.x % 32;
+  const int chunks = inter / 8;
+  const int groups = (hidden + R - 1) / R;
+  const int total = route.num_active() * groups;
+  const int stride = gridDim.x * kGemvWarps;
+  int item = blockIdx.x * kGemvWarps + threadIdx.x / 32;
+  uint4 wr[R][C];
+  auto load = [&](int it) {
+    const int e = route.expert(it / groups), h0 = (it % groups) * R;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint4* w = reinterpret_cast<const uint4*>(
+          w_down + ((size_t)e * hidden + min(h0 + r, hidden - 1)) * inter);
+#pragma unroll
+      for (int c = 0; c < C; ++c) wr[r][c] = load_stream(w + min(c * 32 + lane, chunks - 1));
+    }
+  };
+  if (item < total) load(item);
+  wait_for_predecessor();  // act
+  for (; item < total; item += stride) {
+    if (item != blockIdx.x * kGemvWarps + threadIdx.x / 32) load(item);
+    const int e = route.expert(item / groups), h0 = (item % groups) * R;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int c = 0; c < C; ++c)
+        if (c * 32 + lane >= chunks) wr[r][c] = make_uint4(0, 0, 0, 0);
+    route.for_slots(item / groups, e, [&](int s) {
+      const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)s * inter);
+      uint4 av[C];
+#pragma unroll
+      for (int c = 0; c < C; ++c) av[c] = ar[min(c * 32 + lane, chunks - 1)];  // plain: slot_sums.cuh
+      float mine = 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float v = 0.f;
+#pragma unroll
+        for (int c = 0; c < C; ++c) v += dot_bf16x8(wr[r][c], av[c]);
+        v = warp_sum(v);
+        if (lane == r) mine = v;
+      }
+      if (lane < R && h0 + lane < hidden) part[(size_t)s * hidden + h0 + lane] = __ldg(weights + s) * mine;
+    });
+  }
+}
+
+// Experts of one token whose down rows a lane holds at once in down_combine_kernel: about 12
+// loads of 16 bytes in flight (qwen3-30b-a3b's inter 768: 4 experts at 3 chunks), as in
+// down_kernel, which keeps the kernel within 128 registers and 4 blocks per SM. 8 experts at a
+// time (166 registers, 3 blocks per SM, half the warps) measured slower: qwen3-30b-a3b at M = 1,
+// the down projection alone (ncu) 15.6 against 14.3 µs, the layer 37.2 against 34.7.
+constexpr int combine_batch(int chunks) { return chunks >= 12 ? 1 : 12 / chunks < 8 ? 12 / chunks : 8; }
+
+// One token with the plain combine: down and the combine in one grid. Item = one row h of down,
+// taken from every active expert (combine_batch(C) experts' rows in flight at a time); the lane's
+// dot products are weighted and added in slot order, then summed across the warp once, and y[h]
+// is stored. No partial sums leave the warp and no combine grid runs after it. Measured against
+// down_kernel + combine_kernel (moe-bench layer --device cuda --tokens 1, H100, 2026-11-23), µs:
+// qwen3-30b-a3b 35.6 -> 34.7, deepseek-v2-lite 46.0 -> 45.1. The first row's weights are loaded
+// before the wait, like down_kernel's. Rows with no active expert come out 0.
+template <int C>  // ceil(inter / 256)
+__global__ void __launch_bounds__(kGemvWarps * 32, kDownCombineMinBlocks) down_combine_kernel(
+    const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ w_down,
+    const int* __restrict__ ids, int slots, const float* __restrict__ weights, int hidden,
+    int inter, __nv_bfloat16* __restrict__ y) {
+  constexpr int B = combine_batch(C);
+  allow_dependents();
+  const OneTokenRouting route(ids, slots);
+  const int n = route.num_active();
+  const int lane = threadIdx.x % 32;
+  const int chunks = inter / 8;
+  const int first = blockIdx.x * kGemvWarps + threadIdx.x / 32;
+  uint4 wr[B][C];
+  // Rows h of the active experts a0 .. a0 + B - 1 (past n: the last one again, not used).
+  auto load = [&](int h, int a0) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const int e = route.expert(min(a0 + b, n - 1));
+      const uint4* w = reinterpret_cast<const uint4*>(w_down + ((size_t)e * hidden + h) * inter);
+#pragma unroll
+      for (int c = 0; c < C; ++c) wr[b][c] = load_stream(w + min(c * 32 + lane, chunks - 1));
+    }
+  };
+  if (first < hidden && n > 0) load(first, 0);
+  wait_for_predecessor();  // act
+  for (int h = first; h < hidden; h += gridDim.x * kGemvWarps) {
+    float mine = 0.f;
+    for (int a0 = 0; a0 < n; a0 += B) {
+      if (h != first || a0 > 0) load(h, a0);
+#pragma unroll
+      for (int b = 0; b < B; ++b)
+#pragma unroll
+        for (int c = 0; c < C; ++c)
+          if (c * 32 + lane >= chunks) wr[b][c] = make_uint4(0, 0, 0, 0);
+      // Every expert of the batch is used unconditionally (past n: the last one again, weighted
+      // 0): behind a branch per expert, the compiler sinks that expert's loads to their use, and
+      // the row's loads go one expert after another (measured with 8 experts a batch, ncu: 23.3
+      // µs against 15.6 for the down projection at M = 1).
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const int slot = route.slot(min(a0 + b, n - 1));
+        const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)slot * inter);
+        float v = 0.f;
+#pragma unroll
+        for (int c = 0; c < C; ++c)
+          v += dot_bf16x8(wr[b][c], ar[min(c * 32 + lane, chunks - 1)]);  // plain load: slot_sums.cuh
+        mine += (a0 + b < n ? __ldg(weights + slot) : 0.f) * v;
+      }
+    }
+    mine = warp_sum(mine);
+    if (lane == 0) y[h] = __float2bfloat16(mine);
+  }
+}
+
+// y[t, h] = sum over the k slots of token t (sum_slots). Eight outputs per thread (hidden is a
+// multiple of 8), 16-byte stores. The register cap is what lets the loads of a batch be in flight
+// together: left to itself, ptxas fits the kernel in 32 registers by waiting for each load before
+// issuing the next.
+template <typename Part, bool kSplit>
+__global__ void __maxnreg__(128) combine_kernel(const Part* __restrict__ part,
+                                                const int* __restrict__ ids, int tokens, int top_k,
+                                                int hidden, int splits, long long split_stride,
+                                                __nv_bfloat16* __restrict__ y) {
+  wait_for_predecessor();
+  const int groups = hidden / 8;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= tokens * groups) return;
+  const int t = i / groups, h = (i % groups) * 8;
+  float s[8];
+  sum_slots<Part, kSplit>(part, ids, t, top_k, hidden, h, splits, split_stride, s);
+  uint4 out;
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) o[c] = __floats2bfloat162_rn(s[2 * c], s[2 * c + 1]);
+  *reinterpret_cast<uint4*>(y + (size_t)t * hidden + h) = out;
+}
+
+// One block per token: the combine of combine_kernel, then the residual add and RMSNorm of
+// ResidualNorm (the same arithmetic as add_rms_norm_kernel). hidden <= 256 * kNormMaxChunks * 8.
+constexpr int kNormThreads = 256;
+constexpr int kNormMaxChunks = 4;
+
+template <typename Part, bool kSplit>
+__global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const Part* __restrict__ part,
+                                                                    const int* __restrict__ ids,
+                                                                    int top_k, int hidden,
+                                                                    int splits,
+                                                                    long long split_stride,
+                                                                    ResidualNorm rn) {
+  prefetch_weights_l2(rn.weight, static_cast<size_t>(hidden) * 4);  // before the wait: pdl.h
+  wait_for_predecessor();
+  __shared__ float red[kNormThreads / 32];
+  const int t = blockIdx.x, groups = hidden / 8;
+  float* x = rn.x + (size_t)t * hidden;
+  float v[kNormMaxChunks][8];
+  float ss = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kNormMaxChunks; ++c) {
+    const int g = threadIdx.x + c * kNormThreads;
+    if (g >= groups) break;
+    float s[8];
+    sum_slots<Part, kSplit>(part, ids, t, top_k, hidden, g * 8, splits, split_stride, s);
+    float4* xs = reinterpret_cast<float4*>(x + g * 8);
+    const float4 lo = xs[0], hi = xs[1];
+    const float xv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[c][i] = xv[i] + __bfloat162float(__float2bfloat16_rn(s[i]));  // y as it would be stored
+      ss += v[c][i] * v[c][i];
+    }
+    xs[0] = make_float4(v[c][0], v[c][1], v[c][2], v[c][3]);
+    xs[1] = make_float4(v[c][4], v[c][5], v[c][6], v[c][7]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kNormThreads / 32; ++w) total += red[w];
+  const float inv = 1.0f / sqrtf(total / static_cast<float>(hidden) + rn.eps);
+  auto* h = static_cast<__nv_bfloat16*>(rn.h) + (size_t)t * hidden;
+#pragma unroll
+  for (int c = 0; c < kNormMaxChunks; ++c) {
+    const int g = threadIdx.x + c * kNormThreads;
+    if (g >= groups) break;
+    const float4 w0 = __ldg(reinterpret_cast<const float4*>(rn.weight + g * 8));
+    const float4 w1 = __ldg(reinterpret_cast<const float4*>(rn.weight + g * 8) + 1);
+    *reinterpret_cast<uint4*>(h + g * 8) = norm_bf16x8(w0, w1, v[c], inv);
+  }
+}
+
+// The register arrays need a compile-time size: one instantiation per chunk count.
+template <typename F>
+cudaError_t with_chunks(int width, F&& f) {
+  switch ((width / 8 + 31) / 32) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+// A persistent grid: enough blocks for the items, at most as many as fit on the device at once.
+// The occupancy is asked once per kernel (a template argument: the instantiations share one
+// function type, so a cache keyed by type would mix their register counts).
+template <auto kKernel>
+int persistent_blocks(long long items) {
+  static const int per_sm = [] {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kGemvWarps * 32, 0) != cudaSuccess)
+      n = 1;
+    return n > 0 ? n : 1;
+  }();
+  int device = 0, sms = 1;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const long long wanted = (items + kGemvWarps - 1) / kGemvWarps;
+  const long long cap = (long long)per_sm * sms;
+  return (int)(wanted < cap ? (wanted > 0 ? wanted : 1) : cap);
+}
+
+// `chained`: a programmatic dependent of its predecessor (pdl.h), which may let it start early;
+// it waits with griddepcontrol.wait before reading that kernel's output.
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), int blocks, int threads, bool chained,
+                   cudaStream_t stream, Args... args) {
+  return launch_kernel(kernel, dim3(blocks), dim3(threads), 0, stream, chained, args...);
+}
+
+// `y` set (one token, the plain combine): down_combine_kernel writes y and no combine follows.
+template <typename Route>
+cudaError_t launch_direct_with(const ExpertBuffers& b, const void* x, const int* ids,
+                               const float* weights, int tokens, void* y, cudaStream_t stream) {
+  const int slots = tokens * b.top_k;
+  const long long max_active = b.experts < slots ? b.experts : slots;
+  const auto* xb = static_cast<const __nv_bfloat16*>(x);
+  auto* act = static_cast<__nv_bfloat16*>(b.act);
+  cudaError_t err = with_chunks(b.hidden, [&](auto c) {
+    constexpr auto k = gate_up_kernel<decltype(c)::value, Route>;
+    return launch(k, persistent_blocks<k>(max_active * b.inter), kGemvWarps * 32, true, stream,
+                  xb, static_cast<const __nv_bfloat16*>(b.gate_up), ids, slots, b.hidden,
+                  b.inter, b.top_k, act);
+  });
+  if (err != cudaSuccess) return err;
+  const auto* down = static_cast<const __nv_bfloat16*>(b.down);
+  if (y != nullptr) {
+    return with_chunks(b.inter, [&](auto c) {
+      constexpr auto k = down_combine_kernel<decltype(c)::value>;
+      // As many warps as make whole rounds of rows: 2048 rows on 1584 resident warps would leave
+      // a second round of 464.
+      const int cap = persistent_blocks<k>(b.hidden) * kGemvWarps;
+      const int rounds = (b.hidden + cap - 1) / cap;
+      const int warps = (b.hidden + rounds - 1) / rounds;
+      return launch(k, (warps + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32, true, stream,
+                    static_cast<const __nv_bfloat16*>(act), down, ids, slots, weights, b.hidden,
+                    b.inter, static_cast<__nv_bfloat16*>(y));
+    });
+  }
+  return with_chunks(b.inter, [&](auto c) {
+    constexpr int C = decltype(c)::value;
+    constexpr auto k = down_kernel<C, Route>;
+    const long long groups = (b.hidden + down_rows(C) - 1) / down_rows(C);
+    return launch(k, persistent_blocks<k>(max_active * groups), kGemvWarps * 32, true, stream,
+                  static_cast<const __nv_bfloat16*>(act), down, ids, slots, weights, b.hidden,
+                  b.inter, static_cast<float*>(b.part));
+  });
+}
+
+// `y`: see launch_direct_with; only taken for one token (OneTokenRouting).
+cudaError_t launch_direct(const ExpertBuffers& b, const void* x, const int* ids,
+                          const float* weights, int tokens, void* y, cudaStream_t stream) {
+  return tokens == 1 ? launch_direct_with<OneTokenRouting>(b, x, ids, weights, tokens, y, stream)
+                     : launch_direct_with<Routing>(b, x, ids, weights, tokens, nullptr, stream);
+}
+
+// The grouped kernels' grid: blockIdx.x indexes the touched experts (blocks past their count
+// exit), blockIdx.y a tile of kGroupedWarps weight rows, one per warp. Gives this warp's expert
+// and row, false where there is none.
+__device__ __forceinline__ bool grouped_item(const int* active, const int* num_active, int rows, int& e, int& row) {
+  if (blockIdx.x >= *num_active) return false;
+  e = active[blockIdx.x];
+  row = blockIdx.y * kGroupedWarps + threadIdx.x / 32;
+  return row < rows;
+}
+
+// gate_up: a warp per intermediate row.
+template <int C>  // 16-byte chunks of a weight row per lane: ceil(hidden / 256)
+__global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped_gate_up_kernel(
+    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_gate_up,
+    const int* __restrict__ offsets, const int* __restrict__ order, const int* __restrict__ active,
+    const int* __restrict__ num_active, int hidden, int inter, int top_k,
+    __nv_bfloat16* __restrict__ act) {
+  begin_dependent();  // the plan's
+  int e, j;
+  if (!grouped_item(active, num_active, inter, e, j)) return;
+  const int lane = threadIdx.x % 32;
+  const int chunks = hidden / 8;
+  const uint4* g = reinterpret_cast<const uint4*>(w_gate_up + ((size_t)e * 2 * inter + j) * hidden);
+  const uint4* u = reinterpret_cast<const uint4*>(w_gate_up + ((size_t)e * 2 * inter + inter + j) * hidden);
+  uint4 gr[C], ur[C];
+  load_gate_up_rows(g, u, chunks, lane, [](const uint4* p) { return __ldg(p); }, gr, ur);
+  for (int p = offsets[e]; p < offsets[e + 1]; ++p) {
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(order[p] / top_k) * hidden);
+    gate_up_act(gr, ur, xr, chunks, lane, [&](__nv_bfloat16 v) { act[(size_t)p * inter + j] = v; });
+  }
+}
+
+template <int C>  // ceil(inter / 256)
+__global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped_down_kernel(
+    const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ w_down,
+    const int* __restrict__ offsets, const int* __restrict__ order, const int* __restrict__ active,
+    const int* __restrict__ num_active, const float* __restrict__ weights, int hidden, int inter,
+    float* __restrict__ part) {
+  begin_dependent();  // gate_up's act
+  int e, h;
+  if (!grouped_item(active, num_active, hidden, e, h)) return;
+  const int lane = threadIdx.x % 32;
+  const int chunks = inter / 8;
+  const uint4* w = reinterpret_cast<const uint4*>(w_down + ((size_t)e * hidden + h) * inter);
+  uint4 wr[C];
+#pragma unroll
+  for (int c = 0; c < C; ++c) wr[c] = __ldg(w + min(c * 32 + lane, chunks - 1));
+#pragma unroll
+  for (int c = 0; c < C; ++c)
+    if (c * 32 + lane >= chunks) wr[c] = make_uint4(0, 0, 0, 0);
+  for (int p = offsets[e]; p < offsets[e + 1]; ++p) {
+    const int slot = order[p];
+    const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)p * inter);
+    float s = 0.f;
+#pragma unroll
+    for (int c = 0; c < C; ++c) s += dot_bf16x8(wr[c], __ldg(ar + min(c * 32 + lane, chunks - 1)));
+    s = warp_sum(s);
+    if (lane == 0) part[(size_t)slot * hidden + h] = weights[slot] * s;
+  }
+}
+
+template <int C>
+void launch_grouped_gate_up(dim3 grid, cudaStream_t stream, const __nv_bfloat16* x, const ExpertBuffers& b,
+                    __nv_bfloat16* act) {
+  launch_dependent(grouped_gate_up_kernel<C>, grid, dim3(kGroupedWarps * 32), 0, stream, x,
+                   static_cast<const __nv_bfloat16*>(b.gate_up), b.offsets, b.order, b.active,
+                   b.num_active, b.hidden, b.inter, b.top_k, act);
+}
+
+template <int C>
+void launch_grouped_down(dim3 grid, cudaStream_t stream, const __nv_bfloat16* act, const float* weights,
+                 const ExpertBuffers& b) {
+  launch_dependent(grouped_down_kernel<C>, grid, dim3(kGroupedWarps * 32), 0, stream, act,
+                   static_cast<const __nv_bfloat16*>(b.down), b.offsets, b.order, b.active,
+                   b.num_active, weights, b.hidden, b.inter, static_cast<float*>(b.part));
+}
+
+// Past kGemvDirectMaxSlots: the plan, then one short block per (touched expert, 4 rows), the v2
+// of docs/perf/decode-expert-gemv.md. The persistent kernels above, fed by the plan instead of the
+// ids, ran 5-15% slower here (each item's expert, offsets and slot list cost dependent L2 round
+// trips before its weight loads could issue; docs/perf/decode-direct-gemv.md).
+cudaError_t launch_grouped(const ExpertBuffers& b, const void* x, const float* weights, int tokens,
+                           cudaStream_t stream) {
+  const int slots = tokens * b.top_k;
+  const int max_active = b.experts < slots ? b.experts : slots;
+  const auto* xb = static_cast<const __nv_bfloat16*>(x);
+  auto* act = static_cast<__nv_bfloat16*>(b.act);
+  const dim3 gate_up_grid(max_active, (b.inter + kGroupedWarps - 1) / kGroupedWarps);
+  const dim3 down_grid(max_active, (b.hidden + kGroupedWarps - 1) / kGroupedWarps);
+  with_chunks(b.hidden, [&](auto c) {
+    launch_grouped_gate_up<decltype(c)::value>(gate_up_grid, stream, xb, b, act);
+    return cudaSuccess;
+  });
+  with_chunks(b.inter, [&](auto c) {
+    launch_grouped_down<decltype(c)::value>(down_grid, stream, act, weights, b);
+    return cudaSuccess;
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+namespace {
+
+cudaError_t combine(const ExpertBuffers& b, const int* ids, int tokens, PartialSums sums, void* y,
+                    cudaStream_t stream) {
+  const bool chained = sums.chained;
+  const bool bf16 = sums.bf16;
+  if (sums.splits < 1 || (sums.splits > 1 && (bf16 || sums.split_stride < (long long)tokens * b.top_k)))
+    return cudaErrorInvalidValue;
+  const bool split = sums.splits > 1;
+  if (b.norm.x) {
+    if (b.hidden > kNormThreads * kNormMaxChunks * 8) return cudaErrorInvalidValue;
+    if (bf16)
+      return launch(combine_norm_kernel<__nv_bfloat16, false>, tokens, kNormThreads, chained, stream,
+                    static_cast<const __nv_bfloat16*>(b.part), ids, b.top_k, b.hidden, 1, 0LL, b.norm);
+    return launch(split ? combine_norm_kernel<float, true> : combine_norm_kernel<float, false>, tokens,
+                  kNormThreads, chained, stream, static_cast<const float*>(b.part), ids, b.top_k,
+                  b.hidden, sums.splits, sums.split_stride, b.norm);
+  }
+  const int total = tokens * (b.hidden / 8);
+  auto* yb = static_cast<__nv_bfloat16*>(y);
+  // Below 128 blocks of 256 threads, blocks of 64 spread the rows over four times the
+  // multiprocessors (qwen3-30b-a3b M = 8: 3.4 -> 3.2 µs, ncu).
+  const int threads = total < 128 * 256 ? 64 : 256;
+  const int blocks = (total + threads - 1) / threads;
+  if (bf16)
+    return launch(combine_kernel<__nv_bfloat16, false>, blocks, threads, chained, stream,
+                  static_cast<const __nv_bfloat16*>(b.part), ids, tokens, b.top_k, b.hidden, 1, 0LL, yb);
+  return launch(split ? combine_kernel<float, true> : combine_kernel<float, false>, blocks, threads, chained,
+                stream, static_cast<const float*>(b.part), ids, tokens, b.top_k, b.hidden, sums.splits,
+                sums.split_stride, yb);
+}
+
+}  // namespace
+
+cudaError_t launch_combine(const ExpertBuffers& b, const int* ids, int tokens, PartialSums sums,
+                           void* y, cudaStream_t stream) {
+  return combine(b, ids, tokens, sums, y, stream);
+}
+
+cudaError_t launch_decode(const ExpertBuffers& b, const void* x, const int* ids,
+                          const float* weights, int tokens, void* y, cudaStream_t stream) {
+  cudaError_t err;
+  if (tokens * b.top_k <= heuristics::kGemvDirectMaxSlots) {
+    // One token with the plain combine: down and the combine are one grid (down_combine_kernel).
+    const bool fused = tokens == 1 && b.leave_partials == nullptr && b.norm.x == nullptr;
+    err = launch_direct(b, x, ids, weights, tokens, fused ? y : nullptr, stream);
+    if (err != cudaSuccess || fused) return err;
+  } else {
+    err = launch_plan(b, ids, tokens, 0, stream);
+    if (err == cudaSuccess) err = launch_grouped(b, x, weights, tokens, stream);
+  }
+  if (err != cudaSuccess) return err;
+  if (b.leave_partials) {
+    *b.leave_partials = PartialSums{false};
+    return cudaSuccess;
+  }
+  return combine(b, ids, tokens, PartialSums{false, 1, 0, true}, y, stream);
+}
+
+}  // namespace moe::cuda::kernels

@@ -1,0 +1,575 @@
+// The two grouped GEMMs of the Hopper routed-expert path (entry: moe_wgmma.cu): those of
+// moe_prefill.cu (same plan, same fused SiLU(gate) * up epilogue, same bf16 partial sums by slot
+// and deterministic combine) on wgmma, with the weights brought in by TMA. A work item = one row
+// tile of one expert (BM routed rows, gathered through the plan's order) x 256 weight rows
+// (BM = 256: x 128); persistent blocks of 384 threads (BM = 256: 512):
+//  - warpgroup 0 (BM = 256: 0 and 1) produces: one thread issues the TMA loads of the weight
+//    tile (a fixed tensor, 128-byte swizzle); all producer threads gather the BM activation rows
+//    with cp.async into the same swizzled layout (sm_90 has no TMA gather). Registers handed
+//    over with setmaxnreg.
+//  - the last two warpgroups consume: wgmma m64nNk16 from shared memory, f32 accumulators. BM = 128:
+//    each takes 64 rows x 256 weight rows; BM = 64: both take the 64 rows, each half the weights;
+//    BM = 256 (weight tiles of 128 rows): each takes 128 rows as two m64 sub-tiles, and skips
+//    those that hold no row of the expert (then only keeping the ring turning).
+// A kStages-deep ring of stages with full/empty mbarriers. The full barrier of a stage completes
+// when the TMA bytes have landed and each producer thread has seen its own cp.async group done,
+// fenced it to the async proxy (which the tensor cores read through) and arrived.
+// gate_up puts 64 (or 128) gate rows and the matching up rows in one tile, so each consumer
+// thread holds gate and up of the same act column. Mixed row tiles (below, picked per forward by
+// the plan) run 128 x 256 and 256 x 128 items in one grid.
+// This file holds the kernel, its tile configurations, the tensor maps of the weights and the
+// launch of both GEMMs for one row tile (run_tile, moe_wgmma_gemm.h); the entry sizes the forward
+// and runs the plan and the combine around them, and the sm_90a instructions the pipeline is made
+// of are in sm90_async.cuh. Only CUDA headers and plain launch headers.
+#include <cuda.h>  // CUtensorMap and its enums only: the encoder comes through the runtime
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "backend/cuda/moe/moe_decode_launch.h"
+#include "backend/cuda/moe/moe_heuristics.h"
+#include "backend/cuda/moe/moe_wgmma_gemm.h"
+#include "backend/cuda/pdl.h"
+#include "backend/cuda/moe/sm90_async.cuh"
+
+// The compute_90 (PTX fallback) pass compiles the kernel body out (it needs sm_90a), which leaves
+// the helpers and tile constants below unreferenced there: not worth a warning per helper.
+#pragma nv_diag_suppress 177
+
+namespace moe::cuda::kernels {
+
+namespace {
+
+using namespace sm90;
+
+constexpr int BK = wgmma_detail::kStepK;  // one 128-byte swizzle atom of bf16 along k
+
+// BM activation rows x BN weight rows per block: BN 256 normally, 128 where the grid of 256-row
+// tiles would leave multiprocessors idle (heuristics::wgmma_narrow_tiles). BM 256 goes with BN
+// 128 only: the same 48 KB a stage and 128 accumulators a consumer thread as BM 128 x BN 256,
+// for experts whose rows would leave a second, nearly empty 128-row tile re-reading the weights.
+template <int BM, int BN>
+struct Cfg {
+  static_assert(BN == 256 || BN == 128, "weight rows per block");
+  static_assert(BM == 64 || BM == 128 || (BM == 256 && BN == 128), "row tile");
+  static constexpr int kParts = BM == 64 ? 2 : 1;  // weight-row parts, one per consumer at BM 64
+  static constexpr int WN = BN / kParts;           // wgmma N of one consumer
+  static constexpr int kBoxRows = WN / 2;          // rows of one TMA box (gate or up half of a part)
+  static constexpr int kConsumerRows = BM == 64 ? 64 : BM / 2;  // rows of one consumer
+  static constexpr int kSubs = kConsumerRows / 64;               // its m64 sub-tiles
+  static_assert(kSubs >= 1 && kSubs * 64 == kConsumerRows, "whole m64 sub-tiles");
+  static constexpr int kABytes = BM * BK * 2;
+  static constexpr int kBBytes = BN * BK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kStages = BM == 64 ? 5 : 4;  // 200 KB / 192 KB (128 KB at BM 128 x BN 128)
+  // A producer thread arrives on stage kt's full barrier once it has issued stage kt + kLag
+  // (waiting for its own copies of kt then), so that kLag + 1 gathers are in flight per thread
+  // while consumers still find the stage ready one step ahead.
+  static constexpr int kLag = kStages - 2;
+  static constexpr int kSmem = 1024 + kStages * kStageBytes + 2 * kStages * 8;
+  // Producer warpgroups: two at BM 256, so that a thread gathers 8 rows a stage as at BM 128, not
+  // 16. Measured (H100, moe-bench layer, µs, one producer warpgroup -> two): deepseek-v2-lite
+  // M = 2048 678 -> 657; qwen3-30b-a3b with 256-row tiles forced, M = 2048 697 -> 670, 4096
+  // 1139 -> 1106, 8192 2053 -> 2006 (still behind 128-row tiles there: 670, 947, 1604).
+  static constexpr int kProducerWGs = BM == 256 ? 2 : 1;
+  static constexpr int kProducers = 128 * kProducerWGs;
+  static constexpr int kThreads = kProducers + 256;
+  // Registers handed over with setmaxnreg: producers * P + 256 * Q <= 64K.
+  static constexpr int kProducerRegs = kProducerWGs == 1 ? 56 : 40;
+  static constexpr int kConsumerRegs = kProducerWGs == 1 ? 224 : 216;
+  static_assert(kProducers * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
+};
+
+__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
+
+// down's partial sums, stored 8 bytes at a time. In a wgmma fragment lane q of a quad (q = lane %
+// 4) holds the column pair 8j + 2q of its row for every j, so a 4-byte store per pair has a warp
+// instruction touch 8 rows x 16 bytes, half of 8 sectors. Given v[t] = the packed bf16 pairs of
+// j = 4g + t, one shuffle round within the quad (bit 0 of q against bit 0 of t) leaves lane q the
+// pairs of j = 4g + t + (q & 1), t = 0 and 2, from quad lanes (q & 2) and (q & 2) + 1: 4
+// contiguous columns, so two 8-byte stores fill whole sectors, 8 rows x 32 bytes a warp
+// instruction, with half the store instructions. The values are the same, bit for bit. Measured
+// (H100, moe-bench layer, µs): qwen3-30b-a3b M = 8192 1469-1474 -> 1331-1376, deepseek-v2-lite
+// 1735-1794 -> 1592-1731 and M = 2048 638-640 -> 626-632; M <= 512 within 2 µs. 16-byte stores
+// (a second round) gained less at M = 8192 and cost 5 µs at M = 2048; the same for gate_up's act
+// gained nothing and cost 1-3 µs at M <= 128. The four lanes of a quad hold one row, so the quad
+// (not the warp) calls it together.
+__device__ __forceinline__ void store_row_pairs(__nv_bfloat16* at, uint32_t (&v)[4], int lane) {
+  const unsigned quad = 0xfu << (lane & 28);
+  const int q = lane % 4;
+  const bool q1 = q & 1;
+#pragma unroll
+  for (int i = 0; i < 4; i += 2) {
+    const uint32_t r = __shfl_xor_sync(quad, q1 ? v[i] : v[i + 1], 1);
+    if (q1) v[i] = r;
+    else v[i + 1] = r;
+  }
+#pragma unroll
+  for (int i = 0; i < 4; i += 2) *reinterpret_cast<uint2*>(at + 8 * (i + q1) + 2 * (q & 2)) = make_uint2(v[i], v[i + 1]);
+}
+
+// Mixed row tiles (heuristics::kWgmmaMixedTiles): the plan cuts every expert into 128-row tiles,
+// and an expert of 129 to 256 rows, which that leaves with a second, nearly empty tile re-reading
+// all of its weights, is run as one 256-row tile instead: its two tiles' 2 x col_tiles items of
+// 128 x 256 become 2 x col_tiles items of 256 x 128 (half the weight rows each, so every weight
+// tile is read once). Both shapes have 48 KB stages, four of them, and 128 accumulators a consumer
+// thread, so one ring serves both: Cfg<256, 128>'s (two producer warpgroups, 512 threads), with
+// TMA boxes of 64 rows (two or four a stage). At 512 threads ptxas gives no instruction more than
+// 128 registers, so a consumer takes its 64 x 256 of a 128 x 256 item as two m64n128 halves. One
+// producer warpgroup with Cfg<128, 256>'s register split instead (m64n256 kept) spilled in
+// gate_up's consumers and cost its ordinary items 1.5% (docs/perf/mixed-row-tiles.md).
+template <int BM, int BN, bool kMixed>
+using RingOf = std::conditional_t<kMixed, Cfg<256, 128>, Cfg<BM, BN>>;
+static_assert(Cfg<128, 256>::kStageBytes == Cfg<256, 128>::kStageBytes &&
+                  Cfg<128, 256>::kStages == Cfg<256, 128>::kStages && Cfg<256, 128>::kBoxRows == 64,
+              "mixed tiles share one ring");
+
+constexpr int kTallMaxRows = 256;
+__device__ __forceinline__ bool tall_expert(int rows) { return rows > 128 && rows <= kTallMaxRows; }
+
+template <int M, int N>
+struct TileShape {
+  static constexpr int kM = M, kN = N;
+};
+
+// Persistent: block b takes work items b, b + gridDim.x, ... of (*num_tiles row tiles) x
+// col_tiles output-column tiles (128 act columns for gate_up, 256 hidden columns for down) x
+// `splits` pieces of the k range (down only, heuristics::wgmma_down_splits), the split varying
+// fastest, then the column tile, so that blocks running together share activation rows in L2.
+// With kMixed (BM 128, BN 256), the items of a tall expert's two tiles are its 256 x 128 items.
+// One ring of stages and one stage counter run across the items: the producer fills the next
+// item's stages while the consumers finish the last one and write its epilogue.
+// wmap: the weights as a 2-D tensor [experts * rows, K] (gate_up: rows = 2 * inter, K = hidden;
+// down: rows = hidden, K = inter), box 64 x RingOf::kBoxRows.
+// Both GEMMs are launched as programmatic dependents (pdl.h). down's predecessor is gate_up,
+// which lets it start only after waiting for the plan itself, so down may read the plan's tiles
+// before its own wait and put its first item's weight tiles (which depend on nothing computed) in
+// flight while gate_up finishes; only the activation gather waits for gate_up.
+// out: gate_up: bf16 act [slots, inter]; down: bf16 partial sums [slots, hidden], or with
+// splits > 1 f32 ones [splits, split_stride slots, hidden].
+template <int BM, int BN, bool kGateUp, bool kMixed>
+__global__ void __launch_bounds__(RingOf<BM, BN, kMixed>::kThreads, 1) wgmma_gemm_kernel(
+    const __grid_constant__ CUtensorMap wmap, const __nv_bfloat16* __restrict__ a_src,
+    const int* __restrict__ order, const int* __restrict__ offsets,
+    const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+    const int* __restrict__ num_tiles, const float* __restrict__ weights, int hidden, int inter,
+    int top_k, int col_tiles, int splits, long long split_stride, void* __restrict__ out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(!kMixed || (BM == 128 && BN == 256), "mixed tiles: 128 x 256 and 256 x 128");
+  using R = RingOf<BM, BN, kMixed>;
+  constexpr int S = R::kStages;
+  const int K = kGateUp ? hidden : inter;
+  const int KT = K / BK;
+  const int w_rows = kGateUp ? 2 * inter : hidden;
+  struct Item {
+    int tile, ct, split, kt0, kt1;  // row tile, column tile, k-steps [kt0, kt1)
+  };
+  auto item_at = [&](int item) {
+    Item r;
+    r.split = item % splits;
+    r.tile = item / splits / col_tiles;
+    r.ct = item / splits % col_tiles;
+    r.kt0 = r.split * KT / splits;
+    r.kt1 = (r.split + 1) * KT / splits;
+    return r;
+  };
+  // What an item covers: expert e's rows [row0, row_end), column tile ct of its shape (256 x 128
+  // when tall, else BM x BN). rd reads the plan (plain, or through L2 before the wait).
+  struct Work {
+    int e, row0, row_end, ct;
+    bool tall;
+  };
+  auto describe = [&](const Item& f, auto rd) {
+    Work w;
+    w.e = rd(tile_expert + f.tile);
+    w.row0 = rd(tile_row + f.tile);
+    w.ct = f.ct;
+    w.tall = false;
+    const int end = rd(offsets + w.e + 1);
+    w.row_end = min(end, w.row0 + BM);
+    if constexpr (kMixed) {
+      const int first = rd(offsets + w.e);
+      if (tall_expert(end - first)) {
+        w.tall = true;
+        w.ct = (w.row0 != first ? col_tiles : 0) + f.ct;  // the second tile's items follow the first's
+        w.row0 = first;
+        w.row_end = end;
+      }
+    }
+    return w;
+  };
+
+  extern __shared__ unsigned char smem_raw[];
+  // The swizzle pattern and the descriptors assume 1024-byte aligned tiles.
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t bars = base + S * R::kStageBytes;
+  auto full = [&](int s) { return bars + 8u * s; };
+  auto empty = [&](int s) { return bars + 8u * (S + s); };
+  // The weight tile of k-step kt of an item into stage s (one thread).
+  auto load_weights = [&](int s, const Work& w, int kt) {
+    if constexpr (kMixed) {
+      // Boxes of 64 rows: gate_up's gate rows of the tile, then the matching up rows.
+      const int bn = w.tall ? 128 : 256, boxes = bn / 64;
+      const uint32_t sb = base + s * R::kStageBytes + (w.tall ? 256 : 128) * BK * 2;
+      mbar_arrive_expect_tx(full(s), bn * BK * 2);
+      for (int bx = 0; bx < boxes; ++bx) {
+        const int wr = kGateUp ? w.e * w_rows + bx / (boxes / 2) * inter + w.ct * (bn / 2) + bx % (boxes / 2) * 64
+                               : w.e * w_rows + w.ct * bn + bx * 64;
+        tma_load_2d(sb + bx * 64 * 128, &wmap, kt * BK, wr, full(s));
+      }
+    } else {
+      using C = Cfg<BM, BN>;
+      const uint32_t sb = base + s * C::kStageBytes + C::kABytes;
+      mbar_arrive_expect_tx(full(s), C::kBBytes);
+#pragma unroll
+      for (int bx = 0; bx < 2 * C::kParts; ++bx) {
+        int wr;
+        if (kGateUp) {
+          // Box 2q: gate rows of part q; box 2q + 1: the matching up rows.
+          const int q = bx / 2, up = bx % 2;
+          wr = w.e * w_rows + up * inter + w.ct * (BN / 2) + q * C::kBoxRows;
+        } else {
+          wr = w.e * w_rows + w.ct * BN + bx * C::kBoxRows;
+        }
+        tma_load_2d(sb + bx * C::kBoxRows * 128, &wmap, kt * BK, wr, full(s));
+      }
+    }
+  };
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), R::kProducers + 1);  // each producer thread, plus the TMA thread's expect_tx
+      mbar_init(empty(s), 8);       // each consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_proxy_async();
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
+  }
+  __syncthreads();
+  auto plain = [](const int* p) { return *p; };
+  int items = 0, prefetched = 0;  // prefetched: leading stages whose weights are already issued
+  if constexpr (!kGateUp) {
+    items = __ldcg(num_tiles) * col_tiles * splits;
+    if (static_cast<int>(blockIdx.x) < items) {
+      const Item f = item_at(blockIdx.x);
+      prefetched = min(S, f.kt1 - f.kt0);
+      if (threadIdx.x == 0) {
+        const Work w = describe(f, [](const int* p) { return __ldcg(p); });
+        for (int i = 0; i < prefetched; ++i) load_weights(i, w, f.kt0 + i);
+      }
+    }
+  }
+  wait_for_predecessor();
+  allow_dependents();
+  if constexpr (kGateUp) items = *num_tiles * col_tiles * splits;
+  if (static_cast<int>(blockIdx.x) >= items) return;
+
+  const int wg = threadIdx.x / 128;
+  if (wg < R::kProducerWGs) {
+    setmaxnreg_dec<R::kProducerRegs>();
+    const int tid = threadIdx.x, chunk = tid % 8, rsub = tid / 8;
+    constexpr int kPass = R::kProducers / 8;  // rows per pass: 8 chunks of 16 bytes a row
+    int it = 0;  // stage counter over all items
+    // The stages of one item of `rows` activation rows.
+    auto produce = [&](auto rows, const Work& w, const Item& f) {
+      constexpr int kARows = decltype(rows)::value / kPass;
+      // Each row's source: a pointer, or with two producer warpgroups (producers of 40 registers)
+      // its start in 16-byte chunks (32 bits: at most 2^19 slots x 2^10 chunks), which keeps the
+      // producer within its registers.
+      constexpr bool kChunks = R::kProducerWGs > 1;
+      const __nv_bfloat16* a_ptr[kChunks ? 1 : kARows];
+      uint32_t a_chunk[kChunks ? kARows : 1];
+      uint32_t a_ok = 0;
+#pragma unroll
+      for (int i = 0; i < kARows; ++i) {
+        const int p = w.row0 + rsub + kPass * i;
+        const bool ok = p < w.row_end;  // rows past the expert's end keep an in-bounds address
+        if (ok) a_ok |= 1u << i;
+        const uint32_t row = kGateUp ? (ok ? order[p] / top_k : 0) : (ok ? p : w.row0);
+        if constexpr (kChunks) a_chunk[i] = row * static_cast<uint32_t>(K / 8) + chunk;
+        else a_ptr[i] = a_src + size_t{row} * K + chunk * 8;
+      }
+      for (int kt = f.kt0; kt < f.kt1; ++kt, ++it) {
+        const int s = it % S;
+        if (it >= S) mbar_wait(empty(s), ((it / S) & 1) ^ 1);
+        const uint32_t sa = base + s * R::kStageBytes;
+        if (tid == 0 && it >= prefetched) load_weights(s, w, kt);
+#pragma unroll
+        for (int i = 0; i < kARows; ++i) {
+          const int r = rsub + kPass * i;
+          const __nv_bfloat16* src;
+          if constexpr (kChunks) src = a_src + size_t{a_chunk[i]} * 8 + kt * BK;
+          else src = a_ptr[i] + kt * BK;
+          // Rows past the expert's end are zero-filled rather than skipped: leaving them out
+          // measured slower (qwen3-30b-a3b M = 2048: 670 -> 682 µs).
+          cp_async16(sa + r * 128 + ((chunk ^ (r & 7)) << 4), src, (a_ok >> i) & 1u);
+        }
+        cp_async_commit();
+        if (it >= R::kLag) {
+          cp_async_wait<R::kLag>();
+          fence_proxy_async();
+          mbar_arrive(full((it - R::kLag) % S));
+        }
+      }
+    };
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      const Item f = item_at(item);
+      const Work w = describe(f, plain);
+      if constexpr (kMixed) {
+        if (w.tall) produce(std::integral_constant<int, 256>{}, w, f);
+        else produce(std::integral_constant<int, 128>{}, w, f);
+      } else {
+        produce(std::integral_constant<int, BM>{}, w, f);
+      }
+    }
+    cp_async_wait<0>();
+    fence_proxy_async();
+    for (int j = it > R::kLag ? it - R::kLag : 0; j < it; ++j) mbar_arrive(full(j % S));
+  } else {
+    setmaxnreg_inc<R::kConsumerRegs>();
+    const int cw = wg - R::kProducerWGs;  // consumer 0 or 1
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    int it = 0;
+    // One item of tile shape `shape` (TileShape): the k loop, then the epilogue.
+    auto consume = [&](auto shape, const Work& w, const Item& f) {
+      using C = Cfg<decltype(shape)::kM, decltype(shape)::kN>;
+      constexpr int TM = decltype(shape)::kM, TN = decltype(shape)::kN;
+      const uint32_t a_off = TM == 64 ? 0 : cw * C::kConsumerRows * 128;
+      const uint32_t b_off = TM == 64 ? cw * C::WN * 128 : 0;
+      const int part = TM == 64 ? cw : 0;
+      constexpr int U = C::kSubs;
+      const int ct = w.ct, row_end = w.row_end;
+      const int my_row0 = w.row0 + (TM == 64 ? 0 : cw * C::kConsumerRows);
+      // Sub-tiles holding at least one of the expert's rows (the same for the whole warpgroup).
+      const int subs = min(U, max(0, (row_end - my_row0 + 63) / 64));
+      // Mixed tiles' 128 x 256 items: each consumer's 64 x 256 as two m64n128 halves (gate and up
+      // for gate_up), as the 512-thread ring allows no instruction past 128 registers. Flat
+      // fragment index i of the m64n256 layout is then acc[i / 64][i % 64].
+      constexpr bool kSplitN = kMixed && TN == 256;
+      static_assert(!kSplitN || U == 1, "split columns: one row sub-tile");
+      // The epilogue's rows, and for down their slots and routing weights, fetched before the k
+      // loop so that their latency hides under it.
+      int prow[U][2], slot[U][2];
+      float scale[U][2];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          prow[u][h] = my_row0 + 64 * u + 16 * warp + lane / 4 + 8 * h;
+          slot[u][h] = 0;
+          scale[u][h] = 0.f;
+          if (!kGateUp && prow[u][h] < row_end) {
+            slot[u][h] = order[prow[u][h]];
+            scale[u][h] = weights[slot[u][h]];
+          }
+        }
+      constexpr int kAccRows = kSplitN ? 2 : U, kAccCols = kSplitN ? 64 : C::WN / 2;
+      float acc[kAccRows][kAccCols];
+#pragma unroll
+      for (int u = 0; u < kAccRows; ++u)
+#pragma unroll
+        for (int i = 0; i < kAccCols; ++i) acc[u][i] = 0.f;
+      auto val = [&](int u, int i) -> float& {
+        if constexpr (kSplitN) return acc[i / 64][i % 64];
+        else return acc[u][i];
+      };
+      // The k loop for N active sub-tiles, one copy per N: a branch around the wgmmas inside one
+      // loop makes ptxas serialise them (C7520), as it cannot tell the branch is uniform. Only
+      // 256-row tiles skip: at BM = 128 a consumer idling on a tile's empty half measured slower
+      // (qwen3-30b-a3b M = 2048: 668 -> 692 µs, H100), its rows' wgmmas there being free.
+      auto k_loop = [&](auto active) {
+        constexpr int N = decltype(active)::value;
+        for (int kt = f.kt0; kt < f.kt1; ++kt, ++it) {
+          const int s = it % S;
+          mbar_wait(full(s), (it / S) & 1);
+          if constexpr (N > 0) {
+            const uint32_t sa = base + s * R::kStageBytes + a_off;
+            const uint32_t sb = base + s * R::kStageBytes + C::kABytes + b_off;
+            wgmma_fence();
+            if constexpr (kSplitN) {
+#pragma unroll
+              for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int kk = 0; kk < BK / 16; ++kk)
+                  wgmma_tile<128>(acc[n], sw128_desc(sa + kk * 32), sw128_desc(sb + n * 128 * 128 + kk * 32));
+            } else {
+#pragma unroll
+              for (int u = 0; u < N; ++u)
+#pragma unroll
+                for (int kk = 0; kk < BK / 16; ++kk)
+                  wgmma_tile<C::WN>(acc[u], sw128_desc(sa + u * 64 * 128 + kk * 32), sw128_desc(sb + kk * 32));
+            }
+            wgmma_commit();
+            // The previous step is done with its stage once at most this step's group is pending.
+            wgmma_wait<1>();
+#pragma unroll
+            for (int u = 0; u < kAccRows; ++u) fence_regs(acc[u]);
+          }
+          if (kt > f.kt0) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty((it - 1) % S));
+          }
+        }
+        if constexpr (N > 0) {
+          wgmma_wait<0>();
+#pragma unroll
+          for (int u = 0; u < kAccRows; ++u) fence_regs(acc[u]);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty((it - 1) % S));  // the item's last stage, before the stores
+      };
+      if (U == 1 || subs == U) k_loop(std::integral_constant<int, U>{});
+      else if (U == 2 && subs == 1) k_loop(std::integral_constant<int, 1>{});
+      else k_loop(std::integral_constant<int, 0>{});
+
+      // Fragment (m64nN, f32): register 4j + 2h + c holds row 16 * warp + lane / 4 + 8h, column
+      // 8j + 2 * (lane % 4) + c.
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int p = prow[u][h];
+        if (p >= row_end) continue;
+        if (kGateUp) {
+          // Columns [0, WN/2) of this consumer are gate rows, [WN/2, WN) the matching up rows.
+          auto* act = static_cast<__nv_bfloat16*>(out);
+#pragma unroll
+          for (int j = 0; j < C::WN / 16; ++j) {
+            const int col = ct * (TN / 2) + part * C::kBoxRows + 8 * j + 2 * (lane % 4);
+            if (col >= inter) continue;
+            const float g0 = val(u, 4 * j + 2 * h), g1 = val(u, 4 * j + 2 * h + 1);
+            const float u0 = val(u, 4 * (j + C::WN / 16) + 2 * h);
+            const float u1 = val(u, 4 * (j + C::WN / 16) + 2 * h + 1);
+            *reinterpret_cast<__nv_bfloat162*>(act + (size_t)p * inter + col) =
+                __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
+          }
+        } else if (splits == 1) {
+          // hidden is a multiple of BK (checked at launch): a group of 32 columns is in or out whole.
+          auto* row = static_cast<__nv_bfloat16*>(out) + (size_t)slot[u][h] * hidden;
+#pragma unroll
+          for (int g = 0; g < C::WN / 32; ++g) {
+            const int col = ct * TN + part * C::WN + 32 * g;
+            if (col >= hidden) continue;
+            uint32_t v[4];
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+              const int j = 4 * g + t;
+              const __nv_bfloat162 b = __floats2bfloat162_rn(scale[u][h] * val(u, 4 * j + 2 * h),
+                                                             scale[u][h] * val(u, 4 * j + 2 * h + 1));
+              v[t] = *reinterpret_cast<const uint32_t*>(&b);
+            }
+            store_row_pairs(row + col, v, lane);
+          }
+        } else {
+          float* sums = static_cast<float*>(out) + ((size_t)f.split * split_stride + slot[u][h]) * hidden;
+#pragma unroll
+          for (int j = 0; j < C::WN / 8; ++j) {
+            const int col = ct * TN + part * C::WN + 8 * j + 2 * (lane % 4);
+            if (col >= hidden) continue;
+            *reinterpret_cast<float2*>(sums + col) =
+                make_float2(scale[u][h] * val(u, 4 * j + 2 * h), scale[u][h] * val(u, 4 * j + 2 * h + 1));
+          }
+        }
+      }
+    };
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      const Item f = item_at(item);
+      const Work w = describe(f, plain);
+      if constexpr (kMixed) {
+        if (w.tall) consume(TileShape<256, 128>{}, w, f);
+        else consume(TileShape<128, 256>{}, w, f);
+      } else {
+        consume(TileShape<BM, BN>{}, w, f);
+      }
+    }
+  }
+#else
+  __trap();  // wgmma, TMA and setmaxnreg exist only in the sm_90a machine code of this build
+#endif
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) !=
+            cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      p = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// bf16 [rows, k] row-major, boxes of 64 (k) x box_rows, 128-byte swizzle. Boxes past the last row
+// read zeros.
+cudaError_t weight_map(CUtensorMap* map, const void* w, uint64_t rows, uint64_t k, uint32_t box_rows) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {k, rows};
+  const cuuint64_t strides[1] = {k * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(BK), box_rows};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(w), dims, strides, box,
+                            elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <int BM, int BN, bool kMixed = false>
+cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weights, int max_tiles,
+                      int splits, long long split_stride, int sms, cudaStream_t stream) {
+  using R = RingOf<BM, BN, kMixed>;
+  CUtensorMap gate_up_map, down_map;
+  cudaError_t err = weight_map(&gate_up_map, b.gate_up, uint64_t(b.experts) * 2 * b.inter, b.hidden, R::kBoxRows);
+  if (err == cudaSuccess) err = weight_map(&down_map, b.down, uint64_t(b.experts) * b.hidden, b.inter, R::kBoxRows);
+  if (err != cudaSuccess) return err;
+  auto* gate_up = wgmma_gemm_kernel<BM, BN, true, kMixed>;
+  auto* down = wgmma_gemm_kernel<BM, BN, false, kMixed>;
+  // Per device, not a stream operation: harmless inside a graph capture.
+  err = cudaFuncSetAttribute(gate_up, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSmem);
+  if (err == cudaSuccess) err = cudaFuncSetAttribute(down, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSmem);
+  if (err != cudaSuccess) return err;
+  // One block per multiprocessor (one fits: ~200 KB of shared memory), or fewer where the worst
+  // case has fewer items.
+  auto* act = static_cast<__nv_bfloat16*>(b.act);
+  const int gu_cols = (b.inter + BN / 2 - 1) / (BN / 2), down_cols = (b.hidden + BN - 1) / BN;
+  const int gu_items = max_tiles * gu_cols, down_items = max_tiles * down_cols * splits;
+  err = launch_dependent(gate_up, dim3(gu_items < sms ? gu_items : sms), dim3(R::kThreads), R::kSmem, stream,
+                         gate_up_map, static_cast<const __nv_bfloat16*>(x), b.order, b.offsets,
+                         b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden, b.inter, b.top_k,
+                         gu_cols, 1, 0LL, static_cast<void*>(act));
+  if (err != cudaSuccess) return err;
+  return launch_dependent(down, dim3(down_items < sms ? down_items : sms), dim3(R::kThreads), R::kSmem,
+                          stream, down_map, static_cast<const __nv_bfloat16*>(act), b.order, b.offsets,
+                          b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden, b.inter, b.top_k,
+                          down_cols, splits, split_stride, b.part);
+}
+
+}  // namespace
+
+namespace wgmma_detail {
+
+cudaError_t run_tile(const ExpertBuffers& b, const void* x, const float* weights, int tile_m,
+                     const LaunchShape& shape, cudaStream_t stream) {
+  const bool narrow = shape.narrow;
+  const int max_tiles = shape.max_tiles, sms = shape.sms, splits = shape.sums.splits;
+  const long long stride = shape.sums.split_stride;
+  if (tile_m == 64)
+    return narrow ? run_gemms<64, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
+                  : run_gemms<64, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
+  if (tile_m == 256)  // 128-row weight tiles whether narrow or not
+    return run_gemms<256, 128>(b, x, weights, max_tiles, splits, stride, sms, stream);
+  if (tile_m == heuristics::kWgmmaMixedTiles)  // not narrow (launch_prefill_wgmma)
+    return run_gemms<128, 256, true>(b, x, weights, max_tiles, splits, stride, sms, stream);
+  return narrow ? run_gemms<128, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
+                : run_gemms<128, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
+}
+
+}  // namespace wgmma_detail
+
+}  // namespace moe::cuda::kernels

@@ -1,0 +1,125 @@
+#include "backend/cuda/ops/blas.h"
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/ops/gemv_launch.h"
+
+#define MOE_CUBLAS_CHECK(expr)                                                               \
+  do {                                                                                       \
+    cublasStatus_t moe_blas_status_ = (expr);                                                \
+    if (moe_blas_status_ != CUBLAS_STATUS_SUCCESS)                                           \
+      MOE_THROW(kInternal, "cuBLASLt error in {}: status {}", #expr,                         \
+                static_cast<int>(moe_blas_status_));                                         \
+  } while (0)
+
+namespace moe::cuda {
+namespace {
+
+// The largest power of two (up to 256) dividing the address: cuBLASLt picks algorithms for the
+// alignment it is promised, so the promise must be true.
+int64_t alignment(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  int64_t al = 256;
+  while (al > 1 && a % static_cast<uintptr_t>(al) != 0) al /= 2;
+  return al;
+}
+
+void destroy(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+             cublasLtMatrixLayout_t d) {
+  if (a) cublasLtMatrixLayoutDestroy(a);
+  if (b) cublasLtMatrixLayoutDestroy(b);
+  if (d) cublasLtMatrixLayoutDestroy(d);
+  if (op) cublasLtMatmulDescDestroy(op);
+}
+
+}  // namespace
+
+Blas::Blas(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
+  MOE_CUBLAS_CHECK(cublasLtCreate(&handle_));
+  MOE_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+}
+
+Blas::~Blas() {
+  for (auto& [key, p] : plans_) destroy(p.op, p.a, p.b, p.d);
+  if (workspace_) cudaFree(workspace_);
+  if (handle_) cublasLtDestroy(handle_);
+}
+
+// Row-major y = x · wᵀ is, read column-major, yᵀ[n, m] = w[n, k] · xᵀ[k, m]: A is w stored as a
+// column-major [k, n] matrix used transposed, B is x stored as column-major [k, m].
+const Blas::Plan& Blas::plan(const Key& key) {
+  auto it = plans_.find(key);
+  if (it != plans_.end()) return it->second;
+  const auto [out, m, n, k, ldx, ldy, batch, x_stride, w_stride, y_stride, al_x, al_w, al_y] = key;
+  Plan p;
+  const cudaDataType_t dtype = out == static_cast<int64_t>(OutType::kF32) ? CUDA_R_32F : CUDA_R_16BF;
+  try {
+    MOE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t transpose = CUBLAS_OP_T;
+    MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose,
+                                                    sizeof(transpose)));
+    MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, k, n, k));
+    MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, k, m, ldx));
+    MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, dtype, n, m, ldy));
+    if (batch > 1) {
+      const int32_t count = static_cast<int32_t>(batch);
+      const std::pair<cublasLtMatrixLayout_t, int64_t> strided[] = {{p.a, w_stride}, {p.b, x_stride}, {p.d, y_stride}};
+      for (const auto& [layout, stride] : strided) {
+        MOE_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                          &count, sizeof(count)));
+        MOE_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+            layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+      }
+    }
+    cublasLtMatmulPreference_t pref = nullptr;
+    MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint32_t aw = static_cast<uint32_t>(al_w), ax = static_cast<uint32_t>(al_x),
+                   ay = static_cast<uint32_t>(al_y);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                         &workspace_bytes_, sizeof(workspace_bytes_));
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aw, sizeof(aw));
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ax, sizeof(ax));
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ay, sizeof(ay));
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ay, sizeof(ay));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.d, p.d,
+                                                                 pref, 1, &result, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    MOE_CHECK(status == CUBLAS_STATUS_SUCCESS && found > 0, kUnsupported,
+              "cuBLASLt has no bf16 algorithm for m={} n={} k={} batch={} (status {})", m, n, k,
+              batch, static_cast<int>(status));
+    p.algo = result.algo;
+  } catch (...) {
+    destroy(p.op, p.a, p.b, p.d);
+    throw;
+  }
+  return plans_.emplace(key, p).first->second;
+}
+
+void Blas::linear(const void* x, const void* w, void* y, OutType out, int64_t m, int64_t n,
+                  int64_t k, cudaStream_t stream, int64_t ldy) {
+  linear_batched(x, k, 0, w, 0, y, out, ldy == 0 ? n : ldy, 0, m, n, k, 1, stream);
+}
+
+void Blas::linear_batched(const void* x, int64_t ldx, int64_t x_stride, const void* w,
+                          int64_t w_stride, void* y, OutType out, int64_t ldy, int64_t y_stride,
+                          int64_t m, int64_t n, int64_t k, int64_t batch, cudaStream_t stream) {
+  // A few rows (decode steps): our weight-streaming kernel; cuBLASLt reaches about half the
+  // bandwidth there.
+  if (m <= kernels::kGemvMaxRows && k % 8 == 0 && ldx % 8 == 0 && x_stride % 8 == 0 &&
+      w_stride % 8 == 0 && (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 == 0) {
+    MOE_CUDA_CHECK(kernels::gemv_bf16_batched(x, static_cast<int>(ldx), x_stride, w, w_stride, y,
+                                              out == OutType::kF32, static_cast<int>(ldy), y_stride,
+                                              static_cast<int>(m), static_cast<int>(n),
+                                              static_cast<int>(k), static_cast<int>(batch), stream));
+    return;
+  }
+  const Key key{static_cast<int64_t>(out), m, n, k, ldx, ldy, batch, x_stride, w_stride, y_stride,
+                alignment(x), alignment(w), alignment(y)};
+  const Plan& p = plan(key);
+  const float alpha = 1.0f, beta = 0.0f;
+  MOE_CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, w, p.a, x, p.b, &beta, y, p.d, y, p.d,
+                                  &p.algo, workspace_, workspace_bytes_, stream));
+}
+
+}  // namespace moe::cuda
