@@ -151,6 +151,11 @@ for s in $STEPS; do
           step "model_qwen3-30b-a3b_ep2_$b" "$BIN/moe-bench" model --device cuda --preset qwen3-30b-a3b \
             --random-weights --batches 1,8,64 --input-len 128 --output-len 64 --ep 2 --ep-backend "$b" --json
         done
+        # Data-parallel attention: each GPU its own half of the batch.
+        for b in alltoall_packed p2p; do
+          step "model_qwen3-30b-a3b_ep2_dp2_$b" "$BIN/moe-bench" model --device cuda --preset qwen3-30b-a3b \
+            --random-weights --batches 2,16,128 --input-len 128 --output-len 64 --ep 2 --dp 2 --ep-backend "$b" --json
+        done
         step serve_ep2 scripts/serve_ep_check.sh "$BIN"
         for n in 2 4 8; do
           [ "$gpus" -ge $n ] || continue

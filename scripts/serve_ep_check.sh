@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# moe-server --device cuda on two GPUs with every EP backend, on the bundled tiny model: each
+# moe-server --device cuda on two GPUs with every EP backend, and with data-parallel attention
+# (--dp 2) over every backend that exchanges each GPU's own tokens, on the bundled tiny model: each
 # must serve a streamed greedy completion (chunks, then [DONE]) whose text equals the one-GPU
 # server's. Prints one line per backend; exit status 0 only when every one passed.
 #
@@ -80,6 +81,19 @@ for backend in local_allreduce allgather_reducescatter alltoall_padded alltoall_
     echo "ok   --ep 2 --ep-backend $backend streams the one-GPU text"
   else
     echo "FAIL --ep 2 --ep-backend $backend streams: $(tr '\n' ' ' < "$work/$backend")"
+    failures=$((failures + 1))
+  fi
+done
+# Data-parallel attention: each GPU serves its own requests with its own cache.
+for backend in allgather_reducescatter alltoall_padded alltoall_packed p2p; do
+  name="dp_$backend"
+  if ! serve "$name" --ep 2 --dp 2 --ep-backend "$backend"; then
+    echo "FAIL --ep 2 --dp 2 --ep-backend $backend: no streamed completion"
+    failures=$((failures + 1))
+  elif cmp -s "$work/one_gpu" "$work/$name"; then
+    echo "ok   --ep 2 --dp 2 --ep-backend $backend streams the one-GPU text"
+  else
+    echo "FAIL --ep 2 --dp 2 --ep-backend $backend streams: $(tr '\n' ' ' < "$work/$name")"
     failures=$((failures + 1))
   fi
 done

@@ -32,6 +32,7 @@ int run_model_bench(const ModelBenchArgs& a) {
   MOE_CHECK(a.batch >= 1 && a.input_len >= 1 && a.output_len >= 0, kInvalidArgument,
             "--batch and --input-len must be >= 1, --output-len >= 0");
   MOE_CHECK(a.tp == 1, kUnsupported, "--tp {}: tensor-parallel attention runs on GPUs only (--device cuda)", a.tp);
+  MOE_CHECK(a.dp == 1, kUnsupported, "--dp {}: data-parallel attention runs on GPUs only (--device cuda)", a.dp);
   dist::DistConfig dc;
   dc.ep = a.ep;
   dc.ep_backend = a.ep_backend;

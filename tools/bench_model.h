@@ -16,6 +16,7 @@ struct ModelBenchArgs {
   int threads = 0;
   int ep = 1;
   int tp = 1;  // cuda: tensor-parallel attention over the --ep GPUs
+  int dp = 1;  // cuda: data-parallel attention, each GPU its own sequences
   std::string ep_backend = "local_allreduce";
   std::string exec = "grouped";
   std::string device = "cpu";

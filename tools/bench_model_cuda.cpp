@@ -36,6 +36,11 @@ struct DecodeRun {
 
 int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   const dist::EpBackend backend = cuda::engine_ep_backend(a.ep_backend);
+  cuda::check_engine_dp(a.dp, a.tp, a.ep, backend);
+  MOE_CHECK(!a.profile || a.dp == 1, kUnsupported,
+            "--profile --dp {}: a profiled step records GPU 0's routing, which under dp covers its own "
+            "sequences only, so its floor would be wrong; profile without --dp",
+            a.dp);
   std::vector<int> batches = a.batches.empty() ? std::vector<int>{a.batch} : a.batches;
   for (int b : batches) MOE_CHECK(b >= 1, kInvalidArgument, "batch sizes must be >= 1, got {}", b);
   MOE_CHECK(a.prefill_len >= 0, kInvalidArgument, "--prefill-len must be >= 0");
@@ -47,8 +52,10 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   eo.tp = a.tp;
   eo.ep = a.ep;
   eo.ep_backend = backend;
+  eo.dp = a.dp;
   const int ranks = cuda::engine_ranks(a.tp, a.ep);
-  eo.max_batch = *std::max_element(batches.begin(), batches.end());
+  // Under dp max_batch is per GPU, and open() spreads the batch evenly.
+  eo.max_batch = (*std::max_element(batches.begin(), batches.end()) + a.dp - 1) / a.dp;
   eo.max_context = std::max(a.input_len + a.output_len + 2, a.prefill_len);
   eo.max_step_tokens = std::min(std::max(a.input_len, a.prefill_len), 8192);
   MOE_CHECK(eo.max_context <= mc.max_position_embeddings, kInvalidArgument,
@@ -58,7 +65,8 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   MOE_CHECK(static_cast<int>(devices.size()) >= ranks, kUnsupported, "--tp {} --ep {} needs {} GPUs; this machine has {}",
             a.tp, a.ep, ranks, devices.size());
   const std::string device_name = devices.at(0).name;
-  const std::string where = ranks > 1 ? std::to_string(ranks) + " x " + device_name : device_name;
+  std::string where = ranks > 1 ? std::to_string(ranks) + " x " + device_name : device_name;
+  if (a.dp > 1) where += ", data-parallel attention";
   // The ceilings of the floors, measured on this device before the model takes its memory.
   const double kCopyBytesPerS = measure_copy_bandwidth(eo.device);
   const double kBf16FlopsPerS = measure_bf16_matmul_rate(eo.device);
@@ -133,7 +141,8 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   // Floors. Decode: every fixed weight once per step, the distinct experts the batch's tokens
   // touch (expected count under uniform routing) and the KV cache, at the copy bandwidth.
   // Prefill: 2 FLOPs per active parameter per token plus causal attention, at the matmul rate.
-  // On several GPUs the floor is GPU 0's share, which reads the most (model/step_reads.h).
+  // On several GPUs the floor is GPU 0's share, which reads the most (model/step_reads.h); under
+  // dp its experts see every GPU's tokens but its cache holds only its own sequences.
   const StepReads rc = step_reads(mc, a.tp, a.ep);
   const double e = static_cast<double>(std::max<int64_t>(mc.moe.num_experts, 1));
   const double k = static_cast<double>(mc.moe.top_k);
@@ -142,7 +151,8 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   auto decode_floor = [&](int batch, double* bytes) {
     const double touched = mc.moe.num_experts > 0 ? e * (1.0 - std::pow(1.0 - k / e, batch)) : 0.0;
     const double context = a.input_len + a.output_len / 2.0;
-    *bytes = (rc.fixed + touched * rc.per_expert * moe_layers) * 2 + batch * context * kv_token_bytes;
+    const double own = std::ceil(static_cast<double>(batch) / a.dp);
+    *bytes = (rc.fixed + touched * rc.per_expert * moe_layers) * 2 + own * context * kv_token_bytes;
     return *bytes / kCopyBytesPerS;
   };
   const double active = rc.fixed + k * rc.per_expert * moe_layers;
@@ -171,6 +181,7 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   doc["tp"] = a.tp;
   doc["ep"] = a.ep;
   doc["ep_backend"] = a.ep_backend;
+  doc["dp"] = a.dp;
   doc["copy_bytes_per_s"] = kCopyBytesPerS;
   doc["bf16_matmul_flops_per_s"] = kBf16FlopsPerS;
   doc["input_len"] = a.input_len;

@@ -37,6 +37,10 @@ int main(int argc, char** argv) {
   model->add_option("--ep", ma.ep, "expert-parallel ranks: threads on cpu, GPUs on cuda")->capture_default_str();
   model->add_option("--tp", ma.tp, "cuda: tensor-parallel attention over the --ep GPUs (1 or the --ep value)")
       ->capture_default_str();
+  model->add_option("--dp", ma.dp,
+                    "cuda: data-parallel attention over the --ep GPUs, the batch spread over them (--dp N --ep N "
+                    "with an exchanging --ep-backend)")
+      ->capture_default_str();
   model->add_option("--ep-backend", ma.ep_backend,
                     "how tokens reach the experts of other ranks: local_allreduce | allgather_reducescatter | "
                     "alltoall_padded | alltoall_packed | p2p (cuda)")->capture_default_str();

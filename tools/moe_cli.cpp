@@ -35,6 +35,7 @@ struct Common {
   uint64_t weights_seed = 0;
   int ep = 1;
   int tp = 1;
+  int dp = 1;
   std::string ep_backend = "local_allreduce";
   std::string exec = "grouped";
   bool expert_stats = false;
@@ -46,9 +47,11 @@ struct Common {
               "--device {}: expected cpu or cuda", device);
     if (device == "cpu") {
       MOE_CHECK(tp == 1, kUnsupported, "--tp {}: tensor-parallel attention runs on GPUs only (--device cuda)", tp);
+      MOE_CHECK(dp == 1, kUnsupported, "--dp {}: data-parallel attention runs on GPUs only (--device cuda)", dp);
       return false;
     }
-    cuda::engine_ep_backend(ep_backend);  // an unknown name: the valid ones listed
+    // An unknown name (the valid ones listed), then dp against the other degrees.
+    cuda::check_engine_dp(dp, tp, ep, cuda::engine_ep_backend(ep_backend));
     MOE_CHECK(!expert_stats, kUnsupported, "--expert-stats is CPU-only so far");
     return true;
   }
@@ -68,6 +71,7 @@ struct Common {
       eo.sampled_vocab = sampled_vocab;
       eo.tp = tp;
       eo.ep = ep;
+      eo.dp = dp;
       eo.ep_backend = cuda::engine_ep_backend(ep_backend);
       return cuda::Engine::load(model_dir, eo);
     }
@@ -106,6 +110,10 @@ void add_parallel_flags(CLI::App* cmd, Common& c) {
   cmd->add_option("--ep", c.ep, "expert-parallel ranks: threads on the CPU, GPUs with --device cuda")
       ->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--tp", c.tp, "tensor-parallel attention over the --ep GPUs (1 or the --ep value; cuda only)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--dp", c.dp,
+                  "data-parallel attention: each of the --ep GPUs runs attention for its own sequences (cuda; "
+                  "--dp N --ep N with an exchanging --ep-backend)")
       ->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--ep-backend", c.ep_backend,
                   "how tokens reach the experts of other ranks: local_allreduce | allgather_reducescatter | "

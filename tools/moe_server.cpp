@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
     app.add_option("--host", host, "address to listen on");
     app.add_option("--port", port, "port to listen on (0: any free port, printed)");
     app.add_option("--device", device, "cpu | cuda (the CUDA engine, decode steps from CUDA graphs)");
-    int tp = 1, ep = 1;
+    int tp = 1, ep = 1, dp = 1;
     std::string ep_backend = "local_allreduce";
     app.add_option("--ep", ep, "expert-parallel ranks holding 1/ep of the routed experts each: threads on the CPU, GPUs with --device cuda")
         ->capture_default_str();
@@ -74,6 +74,10 @@ int main(int argc, char** argv) {
                    "alltoall_padded | alltoall_packed | p2p (cuda)")
         ->capture_default_str();
     app.add_option("--tp", tp, "cuda: tensor-parallel attention over the --ep GPUs (1 or the --ep value)")
+        ->capture_default_str();
+    app.add_option("--dp", dp,
+                   "cuda: data-parallel attention, each of the --ep GPUs serving its own requests with its own KV "
+                   "cache (--dp N --ep N with an exchanging --ep-backend; --max-batch and --kv-blocks per GPU)")
         ->capture_default_str();
     bool random_weights = false;
     app.add_flag("--random-weights", random_weights, "cuda: config.json only, weights drawn on the device");
@@ -108,9 +112,11 @@ int main(int argc, char** argv) {
     MOE_CHECK(!random_weights || device == "cuda", kInvalidArgument, "--random-weights needs --device cuda");
     if (device == "cuda") {
       cuda::engine_ranks(tp, ep);
-      cuda::engine_ep_backend(ep_backend);  // an unknown name: the valid ones listed
+      // An unknown name (the valid ones listed), then dp against the other degrees.
+      cuda::check_engine_dp(dp, tp, ep, cuda::engine_ep_backend(ep_backend));
     } else {
       MOE_CHECK(tp == 1, kUnsupported, "--tp {}: tensor-parallel attention runs on GPUs only (--device cuda)", tp);
+      MOE_CHECK(dp == 1, kUnsupported, "--dp {}: data-parallel attention runs on GPUs only (--device cuda)", dp);
       dist::DistConfig dc;
       dc.ep = ep;
       dc.ep_backend = ep_backend;
@@ -144,6 +150,7 @@ int main(int argc, char** argv) {
       eo.sampled_vocab = tok.vocab_size();
       eo.tp = tp;
       eo.ep = ep;
+      eo.dp = dp;
       eo.ep_backend = cuda::engine_ep_backend(ep_backend);
       gpu = cuda::Engine::load(model_dir, eo);
     }

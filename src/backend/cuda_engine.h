@@ -56,6 +56,13 @@ struct EngineOptions {
   // are fewer than tp), and the output projection's partial sums go through the peer all-reduce.
   int tp = 1, ep = 1;
   dist::EpBackend ep_backend = dist::EpBackend::kLocalAllreduce;
+  // Data-parallel attention (dp = ep, tp 1): each GPU runs attention and sampling for its own
+  // sequences with its own KV cache (a sequence lives on the GPU that open() placed it on: the
+  // one with the fewest open sequences), and the routed experts exchange each GPU's own rows
+  // (ep_backend allgather_reducescatter, alltoall_padded, alltoall_packed or p2p). Every GPU
+  // runs each step on the same number of rows, padding where its sequences have fewer. max_batch
+  // and the KV blocks are per GPU.
+  int dp = 1;
 };
 
 // The GPUs an engine with these parallel degrees runs on; throws for degrees it cannot combine.
@@ -66,6 +73,24 @@ inline int engine_ranks(int tp, int ep) {
             "or not at all (--tp 1)",
             tp, ep);
   return ep;
+}
+
+// Checks data-parallel attention against the other degrees and the backend (kUnsupported or
+// kInvalidArgument, one line), before anything is loaded: dp × tp must be the GPUs (ep), tp 1,
+// and the backend must exchange each GPU's own tokens.
+inline void check_engine_dp(int dp, int tp, int ep, dist::EpBackend backend) {
+  MOE_CHECK(dp >= 1, kInvalidArgument, "--dp {} must be at least 1", dp);
+  if (dp == 1) return;
+  MOE_CHECK(tp == 1, kUnsupported,
+            "--dp {} --tp {}: data-parallel attention runs whole on each GPU (--tp 1); tensor-parallel "
+            "groups under dp are not implemented",
+            dp, tp);
+  MOE_CHECK(dp == ep, kInvalidArgument,
+            "--dp {} --ep {}: dp × tp must equal the GPUs, which --ep sets (--dp {} --ep {})", dp, ep, ep, ep);
+  MOE_CHECK(dist::ep_backend_traits(backend).runs_data_parallel(), kInvalidArgument,
+            "--dp {} --ep-backend {}: each GPU's own tokens must reach the experts through an exchange; "
+            "use allgather_reducescatter, alltoall_padded, alltoall_packed or p2p",
+            dp, dist::ep_backend_name(backend));
 }
 
 // The EP backend of --ep-backend `name` for the engine, before anything is loaded: an unknown
@@ -87,7 +112,8 @@ struct MemoryReport {
   size_t workspace = 0;  // activations of the largest step, expert and attention scratch, cuBLASLt
   size_t graph_outputs = 0;  // logits and token buffers each decode graph owns
   // kv_blocks counts the scratch block that padding rows of a graph write to, which is never
-  // free: kv_blocks_free is at most kv_blocks - 1.
+  // free: kv_blocks_free is at most kv_blocks - 1 (kv_blocks - dp under dp, where every GPU has
+  // its own cache and scratch block).
   int64_t kv_blocks = 0, kv_blocks_free = 0;
   int64_t kv_blocks_cached = 0;  // full blocks findable for prefix reuse (in use or free)
 };
@@ -113,8 +139,9 @@ class Engine final : public runtime::Executor {
   const ModelConfig& config() const;
   const EngineOptions& options() const;
 
-  // The executor (runtime/executor.h): at most max_batch sequences; the blocks exclude the
-  // scratch block that padding rows of a graph write to.
+  // The executor (runtime/executor.h): at most max_batch sequences (per GPU under dp, one
+  // attention group each); the blocks exclude the scratch block that padding rows of a graph
+  // write to.
   const runtime::ExecutorLimits& limits() const override;
   // A new empty sequence; throws kInvalidArgument when max_batch sequences are open.
   int32_t open() override;
@@ -128,9 +155,11 @@ class Engine final : public runtime::Executor {
   // prefix_reuse off.
   int64_t reuse_prefix(int32_t seq, std::span<const int32_t> tokens) override;
   runtime::KvUsage kv_usage() const override;
+  int group_of(int32_t seq) const override;
+  runtime::KvUsage group_kv_usage(int group) const override;
   // One step: the rows of one token after a cached prefix that want no logits run as one batched
-  // decode (from the bucket's graph), then each other row as a prefill; each row draws with its
-  // own draw index.
+  // decode (from the bucket's graph), then each other row as a prefill (under dp, one prefill of
+  // each GPU at a time, in lockstep chunks); each row draws with its own draw index.
   runtime::StepResult run(const runtime::StepPlan& plan) override;
 
   // Runs `ids` after the sequence's cached tokens and samples its next token on the device.

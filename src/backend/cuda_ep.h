@@ -45,8 +45,10 @@ bool peer_access_available(const std::vector<int>& devices, std::string* why = n
 // a pair that has none, kInvalidArgument for a bad group or shape.
 class P2pExchange {
  public:
+  // own_tokens: sized for layers whose ranks each pass up to max_tokens rows of their own
+  // (EpLayerConfig::own_tokens), rather than one batch of max_tokens that they shard.
   P2pExchange(const std::vector<int>& devices, int64_t hidden, int64_t top_k, int64_t max_tokens,
-              double timeout_s = 10.0);
+              double timeout_s = 10.0, bool own_tokens = false);
   ~P2pExchange();
   P2pExchange(const P2pExchange&) = delete;
   P2pExchange& operator=(const P2pExchange&) = delete;
@@ -75,7 +77,11 @@ struct EpLayerConfig {
   int device = 0;
   int64_t experts = 0;  // global routed experts
   int64_t hidden = 0, inter = 0, top_k = 0;
-  int64_t max_tokens = 0;  // T per call, every rank's tokens together
+  int64_t max_tokens = 0;  // T per call: every rank's tokens together, or each rank's own
+  // Data-parallel attention: each rank passes its own `tokens` rows (the same count on every rank
+  // of a call, padding rows included) and gets back the routed output of those rows only, not
+  // one batch that every rank holds; nothing is re-gathered. Not for local_allreduce.
+  bool own_tokens = false;
   // Measurement only: forward() runs the exchanges but not the experts (their output rows keep
   // whatever they held), so that a benchmark can time dispatch and combine alone.
   bool exchange_only = false;
@@ -102,8 +108,8 @@ class EpExperts {
   EpExperts& operator=(const EpExperts&) = delete;
 
   // out [T, H] bf16 = sum_j weights[t, j] * FFN_{ids[t, j]}(x[t]) over the experts of all ranks;
-  // x [T, H] bf16, ids / weights [T, top_k] (global ids), the same on every rank; all on this
-  // rank's device. The collective backends return with the result in place; p2p only enqueues
+  // x [T, H] bf16, ids / weights [T, top_k] (global ids), the same on every rank (with
+  // own_tokens: this rank's own rows, T the same on every rank); all on this rank's device. The collective backends return with the result in place; p2p only enqueues
   // on `stream` (a cudaStream_t) and can be captured.
   void forward(const uint16_t* x, const int32_t* ids, const float* weights, int64_t tokens,
                uint16_t* out, void* stream);

@@ -36,8 +36,15 @@ struct EpBackendTraits {
   bool host_counts = false;
   bool needs_peer_access = false;  // kernels write into the peers' memory
   bool needs_gpu = false;          // exists only in the CUDA build
-  // The rows its experts run for a call of `tokens` tokens on `ranks` ranks, at most.
-  int64_t expert_rows(int64_t tokens, int ranks) const {
+  // Whether each rank can pass its own tokens (data-parallel attention, --dp): every backend
+  // that exchanges rows and returns their sums. local_allreduce needs the same tokens on every
+  // rank, whose partial sums its all-reduce adds.
+  bool runs_data_parallel() const { return reduced_output; }
+  // The rows its experts run for a call of `tokens` tokens on `ranks` ranks, at most. With
+  // `own_tokens` (data-parallel attention) each rank's `tokens` are its own, and its experts may
+  // receive all of every rank's.
+  int64_t expert_rows(int64_t tokens, int ranks, bool own_tokens = false) const {
+    if (own_tokens && runs_data_parallel()) return ranks * tokens;
     return sharded_tokens ? ranks * ((tokens + ranks - 1) / ranks) : tokens;
   }
   // Activations move as bf16 rows with f32 routing weights in every backend so far.

@@ -25,6 +25,9 @@ struct ExecutorLimits {
   int64_t block_size = 0;     // tokens per KV block
   int64_t kv_blocks = 0;      // blocks the sequences can hold between them
   int64_t vocab = 0;          // ids a step accepts
+  // Attention groups (data-parallel attention: one per rank): each sequence lives in one group's
+  // cache, and max_sequences and kv_blocks are split evenly between the groups. 1 otherwise.
+  int64_t groups = 1;
 };
 
 // Which logits a row hands back besides its token: none (serving), its last position's, or one
@@ -75,6 +78,10 @@ class Executor {
   // tokens it now holds (never all of them); 0 when prefix reuse is off.
   virtual int64_t reuse_prefix(int32_t seq, std::span<const int32_t> tokens) = 0;
   virtual KvUsage kv_usage() const = 0;
+  // The attention group whose cache holds the open sequence (ExecutorLimits::groups), chosen at
+  // open(); and the blocks of one group (the whole cache with one group).
+  virtual int group_of(int32_t /*seq*/) const { return 0; }
+  virtual KvUsage group_kv_usage(int /*group*/) const { return kv_usage(); }
   // Runs the step and returns, for each row in order, the token drawn and the logits it asked
   // for. Throws kInvalidArgument for a plan that does not fit (an id outside the vocabulary, a
   // sequence not open or twice, a full context, too few free blocks) before anything runs.

@@ -6,8 +6,16 @@
 
 namespace moe {
 
-SequenceTable::SequenceTable(BlockAllocator& blocks, int64_t max_sequences, int64_t max_context, bool prefix_reuse)
-    : blocks_(blocks), max_sequences_(max_sequences), max_context_(max_context), prefix_reuse_(prefix_reuse) {
+SequenceTable::SequenceTable(BlockAllocator& blocks, int64_t max_sequences, int64_t max_context, bool prefix_reuse,
+                             int32_t first_id, int32_t id_stride)
+    : blocks_(blocks),
+      max_sequences_(max_sequences),
+      max_context_(max_context),
+      prefix_reuse_(prefix_reuse),
+      first_id_(first_id),
+      id_stride_(id_stride) {
+  MOE_CHECK(first_id >= 0 && id_stride >= 1, kInvalidArgument, "sequence ids from {} in steps of {}", first_id,
+            id_stride);
   MOE_CHECK(max_sequences >= 1, kInvalidArgument, "at least one sequence must fit, got {}", max_sequences);
   MOE_CHECK(max_context >= 1, kInvalidArgument, "the context must hold at least one token, got {}", max_context);
 }
@@ -25,7 +33,12 @@ int32_t SequenceTable::open() {
   *it = Sequence{};
   it->open = true;
   ++open_;
-  return static_cast<int32_t>(it - seqs_.begin());
+  return first_id_ + static_cast<int32_t>(it - seqs_.begin()) * id_stride_;
+}
+
+int64_t SequenceTable::index_of(int32_t seq) const {
+  if (seq < first_id_ || (seq - first_id_) % id_stride_ != 0) return -1;
+  return (seq - first_id_) / id_stride_;
 }
 
 void SequenceTable::close(int32_t seq) {
@@ -36,9 +49,10 @@ void SequenceTable::close(int32_t seq) {
 }
 
 const Sequence& SequenceTable::at(int32_t seq) const {
-  MOE_CHECK(seq >= 0 && static_cast<size_t>(seq) < seqs_.size() && seqs_[static_cast<size_t>(seq)].open,
+  const int64_t i = index_of(seq);
+  MOE_CHECK(i >= 0 && static_cast<size_t>(i) < seqs_.size() && seqs_[static_cast<size_t>(i)].open,
             kInvalidArgument, "sequence {} is not open", seq);
-  return seqs_[static_cast<size_t>(seq)];
+  return seqs_[static_cast<size_t>(i)];
 }
 
 Sequence& SequenceTable::at_mutable(int32_t seq) { return const_cast<Sequence&>(at(seq)); }

@@ -31,8 +31,11 @@ struct Sequence {
 class SequenceTable {
  public:
   // At most `max_sequences` open at once, each of at most `max_context` tokens. The allocator
-  // must outlive the table. Throws kInvalidArgument for non-positive limits.
-  SequenceTable(BlockAllocator& blocks, int64_t max_sequences, int64_t max_context, bool prefix_reuse);
+  // must outlive the table. Ids are first_id, first_id + id_stride, ...: the tables of several
+  // attention groups (data-parallel ranks) give out disjoint ids, and an id names its group.
+  // Throws kInvalidArgument for non-positive limits.
+  SequenceTable(BlockAllocator& blocks, int64_t max_sequences, int64_t max_context, bool prefix_reuse,
+                int32_t first_id = 0, int32_t id_stride = 1);
   ~SequenceTable();  // gives every open sequence's blocks back
   SequenceTable(const SequenceTable&) = delete;
   SequenceTable& operator=(const SequenceTable&) = delete;
@@ -73,11 +76,14 @@ class SequenceTable {
 
  private:
   Sequence& at_mutable(int32_t seq);
+  // The index of id `seq` in seqs_, -1 for an id this table never gives out.
+  int64_t index_of(int32_t seq) const;
 
   BlockAllocator& blocks_;
   int64_t max_sequences_, max_context_;
   bool prefix_reuse_;
   int64_t open_ = 0;
+  int32_t first_id_ = 0, id_stride_ = 1;
   std::vector<Sequence> seqs_;
 };
 

@@ -34,8 +34,14 @@ struct Event {
   FinishReason finish = FinishReason::kNone;
 };
 
+// One attention group's share (a data-parallel rank's): its running requests and KV blocks.
+struct GroupLoad {
+  int64_t running = 0, blocks_used = 0;
+};
+
 struct SchedulerStats {
   int64_t waiting = 0, running = 0;
+  std::vector<GroupLoad> groups;  // per attention group when the executor has several
   int64_t blocks_total = 0, blocks_used = 0, blocks_cached = 0;
   int64_t preemptions = 0;        // since construction
   int64_t prefix_hit_tokens = 0;  // prompt tokens taken from shared blocks instead of computed

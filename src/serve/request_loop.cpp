@@ -80,6 +80,16 @@ std::string RequestLoop::metrics() {
   counter("moe_running_requests", "gauge", static_cast<double>(stats_.running));
   counter("moe_kv_blocks_in_use", "gauge", static_cast<double>(stats_.blocks_used));
   counter("moe_kv_blocks_total", "gauge", static_cast<double>(stats_.blocks_total));
+  // Data-parallel attention: what each rank serves (requests wait in one queue until a rank
+  // takes them, so moe_queue_depth is not per rank).
+  if (!stats_.groups.empty()) {
+    out += "# TYPE moe_rank_running_requests gauge\n";
+    for (size_t g = 0; g < stats_.groups.size(); ++g)
+      out += fmt::format("moe_rank_running_requests{{rank=\"{}\"}} {}\n", g, stats_.groups[g].running);
+    out += "# TYPE moe_rank_kv_blocks_in_use gauge\n";
+    for (size_t g = 0; g < stats_.groups.size(); ++g)
+      out += fmt::format("moe_rank_kv_blocks_in_use{{rank=\"{}\"}} {}\n", g, stats_.groups[g].blocks_used);
+  }
   ttft_.write(out, "moe_time_to_first_token_seconds");
   itl_.write(out, "moe_inter_token_latency_seconds");
   return out;

@@ -18,6 +18,7 @@ struct Scheduler::Request {
   RequestOptions options;
   OutputFilter output;
   int32_t seq = -1;     // the executor's sequence while running
+  int group = 0;        // the executor's attention group that holds it
   int64_t fed = 0;      // tokens of `tokens` in that sequence's cache
   int64_t planned = 0;  // tokens the step being planned computes for it
 
@@ -34,7 +35,11 @@ Scheduler::Scheduler(runtime::Executor& executor, const SchedulerConfig& config,
   MOE_CHECK(config_.max_step_tokens >= lim.max_sequences, kInvalidArgument,
             "max_step_tokens ({}) must be at least max_batch ({}), so that every running request can decode",
             config_.max_step_tokens, lim.max_sequences);
+  MOE_CHECK(lim.groups >= 1 && lim.kv_blocks % lim.groups == 0, kInvalidArgument,
+            "the executor's {} KV blocks do not split evenly into its {} attention groups", lim.kv_blocks,
+            lim.groups);
   stats_.blocks_total = lim.kv_blocks;
+  planned_blocks_.assign(static_cast<size_t>(lim.groups), 0);
 }
 
 Scheduler::~Scheduler() {
@@ -43,8 +48,10 @@ Scheduler::~Scheduler() {
 }
 
 uint64_t Scheduler::submit(std::vector<int32_t> prompt, const RequestOptions& options) {
-  check_request(prompt, options, executor_.limits().vocab, config_.max_context, executor_.limits().kv_blocks,
-                block_size_, tokenizer_ != nullptr);
+  // A sequence lives in one attention group's blocks.
+  const runtime::ExecutorLimits& lim = executor_.limits();
+  check_request(prompt, options, lim.vocab, config_.max_context, lim.kv_blocks / lim.groups, block_size_,
+                tokenizer_ != nullptr);
   const uint64_t id = next_id_++;
   auto r = std::make_unique<Request>(id, std::move(prompt), options, tokenizer_);
   waiting_.push_back(r.get());
@@ -70,7 +77,9 @@ bool Scheduler::cancel(uint64_t id) {
   return true;
 }
 
-int64_t Scheduler::free_blocks() const { return executor_.kv_usage().free - planned_blocks_; }
+int64_t Scheduler::free_blocks(int group) const {
+  return executor_.group_kv_usage(group).free - planned_blocks_[static_cast<size_t>(group)];
+}
 
 int64_t Scheduler::blocks_for(const Request& r, int64_t more) const {
   const int64_t bs = block_size_;
@@ -79,18 +88,24 @@ int64_t Scheduler::blocks_for(const Request& r, int64_t more) const {
 
 int64_t Scheduler::room(const Request& r) const {
   const int64_t bs = block_size_;
-  return ((r.fed + bs - 1) / bs + free_blocks()) * bs - r.fed;
+  return ((r.fed + bs - 1) / bs + free_blocks(r.group)) * bs - r.fed;
+}
+
+Scheduler::Request& Scheduler::newest_beside(const Request& r) const {
+  for (auto it = running_.rbegin(); it != running_.rend(); ++it)
+    if ((*it)->group == r.group) return **it;
+  MOE_THROW(kInternal, "request {} is not running", r.id);
 }
 
 void Scheduler::plan(Request& r, int64_t n) {
-  planned_blocks_ += blocks_for(r, n);
+  planned_blocks_[static_cast<size_t>(r.group)] += blocks_for(r, n);
   r.planned = n;
   budget_ -= n;
   planned_.push_back(&r);
 }
 
 void Scheduler::unplan(Request& r) {
-  planned_blocks_ -= blocks_for(r, r.planned);
+  planned_blocks_[static_cast<size_t>(r.group)] -= blocks_for(r, r.planned);
   budget_ += r.planned;
   r.planned = 0;
   planned_.erase(std::find(planned_.begin(), planned_.end(), &r));
@@ -125,24 +140,25 @@ std::vector<Event> Scheduler::step() {
   pending_.clear();
   planned_.clear();
   budget_ = config_.max_step_tokens;
-  planned_blocks_ = 0;
+  std::fill(planned_blocks_.begin(), planned_blocks_.end(), 0);
   preempted_ = false;
 
   // Decodes first, oldest first: they cost one token each and must not wait behind prompts.
-  // While a decode's new block is not there, the newest running request makes room.
+  // While a decode's new block is not there, the newest running request of its attention group
+  // makes room.
   const std::vector<Request*> running = running_;
   for (Request* r : running) {
     if (budget_ <= 0) break;
     if (r->seq < 0 || r->remaining() != 1) continue;
-    while (r->seq >= 0 && blocks_for(*r, 1) > free_blocks()) preempt(*running_.back());
+    while (r->seq >= 0 && blocks_for(*r, 1) > free_blocks(r->group)) preempt(newest_beside(*r));
     if (r->seq >= 0) plan(*r, 1);
   }
   // Then the prompts (and recomputations) already running, in chunks of what the budget and the
-  // free blocks leave; the newest running request makes room for an older one.
+  // free blocks leave; the newest running request of the group makes room for an older one.
   for (Request* r : running) {
     if (budget_ <= 0) break;
     if (r->seq < 0 || r->planned > 0 || r->remaining() <= 0) continue;
-    while (r->seq >= 0 && room(*r) <= 0) preempt(*running_.back());
+    while (r->seq >= 0 && room(*r) <= 0) preempt(newest_beside(*r));
     if (r->seq >= 0) plan(*r, std::min({r->remaining(), budget_, room(*r)}));
   }
   // Then new requests while there is room; none after a preemption, which means the cache is full.
@@ -150,6 +166,7 @@ std::vector<Event> Scheduler::step() {
          !waiting_.empty()) {
     Request* r = waiting_.front();
     r->seq = executor_.open();
+    r->group = executor_.group_of(r->seq);
     const int64_t hits = config_.prefix_reuse ? executor_.reuse_prefix(r->seq, r->tokens) : 0;
     r->fed = hits;
     const int64_t n = std::min({r->remaining(), budget_, room(*r)});
@@ -224,6 +241,15 @@ SchedulerStats Scheduler::stats() const {
   const runtime::KvUsage kv = executor_.kv_usage();
   s.blocks_used = kv.total - kv.free;
   s.blocks_cached = kv.cached;
+  const int64_t groups = executor_.limits().groups;
+  if (groups > 1) {
+    s.groups.resize(static_cast<size_t>(groups));
+    for (int g = 0; g < groups; ++g) {
+      const runtime::KvUsage u = executor_.group_kv_usage(g);
+      s.groups[static_cast<size_t>(g)].blocks_used = u.total - u.free;
+    }
+    for (const Request* r : running_) s.groups[static_cast<size_t>(r->group)].running += 1;
+  }
   return s;
 }
 

@@ -60,7 +60,8 @@ class Scheduler final : public Batcher {
 
  private:
   struct Request;
-  int64_t free_blocks() const;  // free in the executor, less what the step being planned takes
+  // Free in the executor's attention group `group`, less what the step being planned takes there.
+  int64_t free_blocks(int group) const;
   int64_t blocks_for(const Request& r, int64_t more) const;
   int64_t room(const Request& r) const;  // tokens r can add within its blocks and the free ones
   void plan(Request& r, int64_t n);
@@ -69,6 +70,9 @@ class Scheduler final : public Batcher {
   // recomputed from its prompt and the tokens it generated: for preemption and a failed step.
   void requeue(Request& r);
   void preempt(Request& r);
+  // The newest running request in r's attention group (r itself at the latest): preempting it
+  // frees blocks where r needs them.
+  Request& newest_beside(const Request& r) const;
   void emit(Request& r, int32_t token, std::vector<Event>& events, std::vector<Request*>& done);
 
   runtime::Executor& executor_;
@@ -82,7 +86,8 @@ class Scheduler final : public Batcher {
   std::vector<Event> pending_;     // cancellations not yet reported
   // The step being planned.
   std::vector<Request*> planned_;
-  int64_t budget_ = 0, planned_blocks_ = 0;
+  int64_t budget_ = 0;
+  std::vector<int64_t> planned_blocks_;  // per attention group
   bool preempted_ = false;
   SchedulerStats stats_;
 };

@@ -83,6 +83,10 @@ expect cuda_tp_without_ep "runs over the expert-parallel GPUs|no CUDA backend" -
 expect cuda_ep_backend_one_gpu "--ep-backend p2p exchanges tokens between GPUs: it needs --ep 2 or more|no CUDA backend" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep-backend p2p
 expect cuda_ep_backend_not_built "--ep-backend deepep: this build has no DeepEP kernels" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2 --ep-backend deepep
 expect cuda_unknown_ep_backend "valid names: local_allreduce" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2 --ep-backend fastest
+expect dp_on_cpu "--dp 2: data-parallel attention runs on GPUs only" -- "$cli" logits -m "$fixture" --ids 1 --dp 2
+expect cuda_dp_through_allreduce "use allgather_reducescatter, alltoall_padded, alltoall_packed or p2p" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2 --dp 2
+expect cuda_dp_not_every_gpu "must equal the GPUs, which --ep sets" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 4 --dp 2 --ep-backend p2p
+expect cuda_dp_with_tp "runs whole on each GPU \(--tp 1\)" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2 --tp 2 --dp 2 --ep-backend alltoall_packed
 if ! nvidia-smi -L >/dev/null 2>&1; then
   expect cuda_ep_needs_gpus "needs 2 GPUs from device 0; this machine has 0|no CUDA backend" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2
 fi
@@ -108,6 +112,8 @@ expect bench_model_bad_batches "batch sizes must be >= 1" -- "$bench" model --pr
 expect bench_model_tp_on_cpu "runs on GPUs only" -- "$bench" model --preset qwen3-moe-mid --random-weights --tp 2
 expect bench_model_cuda_tp_without_ep "runs over the expert-parallel GPUs" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --tp 2
 expect bench_model_cuda_ep_backend "--ep-backend deepep: this build has no DeepEP kernels" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --ep 2 --ep-backend deepep
+expect bench_model_dp_on_cpu "runs on GPUs only" -- "$bench" model --preset qwen3-moe-mid --random-weights --dp 2 --ep 2
+expect bench_model_cuda_dp_through_allreduce "use allgather_reducescatter" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --ep 2 --dp 2
 expect bench_model_bad_prefill_len "--prefill-len must be >= 0" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --prefill-len -1
 
 echo "$passed passed, $failures failed"

@@ -1,4 +1,4 @@
-// The engine on several GPUs (EngineOptions tp and ep) against the same engine on one GPU, on
+// The engine on several GPUs (EngineOptions tp, ep and dp) against the same engine on one GPU, on
 // the transformers fixtures: logits within the bf16 bound, the same greedy tokens wherever the
 // one-GPU run decides clearly, graph replay equal to eager decode and a batch equal to its
 // sequences alone. The split settings it cannot run are refused before any GPU is touched (those
@@ -36,9 +36,10 @@ int tp_for(const std::string& dir, int n) {
 }
 
 std::unique_ptr<cuda::Engine> load(const std::string& dir, int tp, int ep, bool graphs = true, bool fuse = true,
-                                   dist::EpBackend backend = dist::EpBackend::kLocalAllreduce) {
+                                   dist::EpBackend backend = dist::EpBackend::kLocalAllreduce, int dp = 1) {
   cuda::EngineOptions o;
   o.ep_backend = backend;
+  o.dp = dp;
   o.fuse = fuse;
   o.record_routing = true;
   o.max_batch = 4;
@@ -53,26 +54,35 @@ std::unique_ptr<cuda::Engine> load(const std::string& dir, int tp, int ep, bool 
 // that round differently: 4% of the largest logit magnitude, at least 2e-3.
 double logit_bound(double scale) { return std::max(0.04 * scale, 2e-3); }
 
-Tensor forced_logits(cuda::Engine& e, const std::vector<int32_t>& sequence, std::vector<int32_t>* routing) {
+// With `hold` > 0, that many sequences are opened first and kept open meanwhile: under dp they
+// take the first ranks, and the forced sequence lands on rank `hold`.
+Tensor forced_logits(cuda::Engine& e, const std::vector<int32_t>& sequence, std::vector<int32_t>* routing,
+                     int hold = 0) {
+  std::vector<int32_t> held;
+  for (int i = 0; i < hold; ++i) held.push_back(e.open());
   Tensor logits;
   const int32_t s = e.open();
+  EXPECT_EQ(e.group_of(s), e.limits().groups > 1 ? hold : 0);
   e.prefill(s, sequence, SamplingParams{}, &logits, true);
   e.close(s);
-  *routing = e.last_routing();
+  for (int32_t h : held) e.close(h);
+  if (routing) *routing = e.last_routing();
   return logits;
 }
 
 // Rows before the first routing decision where the two runs chose differently (a bf16 near-tie:
 // the GPUs round partial sums separately) must agree within the bound; greedy tokens must agree
 // for every step the one-GPU run decides clearly (top-1 gap over 3x the logit difference).
-void expect_one_gpu_answers(const std::string& name, int n, dist::EpBackend backend) {
+// Under dp (data-parallel attention) the sequence runs on rank 0 while the others pad, and once
+// more on the last rank, within the same bound.
+void expect_one_gpu_answers(const std::string& name, int n, dist::EpBackend backend, int dp = 1) {
   const std::string dir = fixture_dir(name);
-  const int tp = tp_for(dir, n);
+  const int tp = dp > 1 ? 1 : tp_for(dir, n);
   const char* via = dist::ep_backend_name(backend);
   auto one = load(dir, 1, 1);
-  auto many = load(dir, tp, n, true, true, backend);
+  auto many = load(dir, tp, n, true, true, backend, dp);
   // Folding the residual adds and norms into the all-reduces changes only f32 summation order.
-  auto unfused = load(dir, tp, n, true, false, backend);
+  auto unfused = load(dir, tp, n, true, false, backend, dp);
   const ModelConfig& mc = one->config();
   const int64_t vocab = mc.vocab_size, k = std::max<int64_t>(mc.moe.top_k, 1);
   auto ref = reference(dir);
@@ -115,6 +125,18 @@ void expect_one_gpu_answers(const std::string& name, int n, dist::EpBackend back
       ++rows_checked;
       EXPECT_LE(diff[static_cast<size_t>(t)], logit_bound(scale)) << name << " on " << n << " GPUs, input " << i << " row " << t;
     }
+    if (dp > 1) {
+      const Tensor last = forced_logits(*many, sequence, nullptr, n - 1);
+      for (int64_t t = 0; t < diverged; ++t) {
+        double d = 0, scale = 0;
+        for (int64_t v = 0; v < vocab; ++v) {
+          const double a = l1.data<float>()[t * vocab + v], b = last.data<float>()[t * vocab + v];
+          d = std::max(d, std::fabs(a - b));
+          scale = std::max(scale, std::fabs(a));
+        }
+        EXPECT_LE(d, logit_bound(scale)) << name << " dp " << dp << ", on the last rank, input " << i << " row " << t;
+      }
+    }
     const auto got1 = test::greedy_tokens(*one, ids, expected.size());
     const auto gotn = test::greedy_tokens(*many, ids, expected.size());
     size_t clear = 0;
@@ -128,8 +150,8 @@ void expect_one_gpu_answers(const std::string& name, int n, dist::EpBackend back
       EXPECT_EQ(gotn[step], got1[step]) << name << " on " << n << " GPUs, input " << i << " step " << step;
       ++clear;
     }
-    std::printf("[ %s, tp %d ep %d %s, input %zu ] %zu of %zu greedy steps decided clearly; tokens: %s\n",
-                name.c_str(), tp, n, via, i, clear, expected.size(),
+    std::printf("[ %s, tp %d ep %d dp %d %s, input %zu ] %zu of %zu greedy steps decided clearly; tokens: %s\n",
+                name.c_str(), tp, n, dp, via, i, clear, expected.size(),
                 gotn == got1 ? "all equal to one GPU" : "differ later");
     compared += clear;
     all_equal = all_equal && gotn == got1;
@@ -140,18 +162,27 @@ void expect_one_gpu_answers(const std::string& name, int n, dist::EpBackend back
 
 // The same kernels and exchanges whether replayed from graphs or run eagerly, and whatever the
 // batch: identical tokens.
-void expect_graph_equals_eager_and_batch_equals_alone(const std::string& name, int n, dist::EpBackend backend) {
+// Under dp the prompts spread over the ranks unevenly (two on rank 0, one on rank 1 of two), so
+// steps pad; alone, each sequence's rank runs it while the others pad.
+void expect_graph_equals_eager_and_batch_equals_alone(const std::string& name, int n, dist::EpBackend backend,
+                                                      int dp = 1) {
   const std::string dir = fixture_dir(name);
-  const int tp = tp_for(dir, n);
+  const int tp = dp > 1 ? 1 : tp_for(dir, n);
   std::vector<std::vector<int32_t>> prompts{{5, 9, 1}, {7}, {3, 2, 8, 8, 4, 6, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10}};
   auto run = [&](bool graphs, bool together) {
-    auto engine = load(dir, tp, n, graphs, true, backend);
+    auto engine = load(dir, tp, n, graphs, true, backend, dp);
     std::vector<int32_t> seqs;
     auto out = test::greedy_prompts(*engine, prompts, 12, together, &seqs);
+    if (dp > 1) {
+      std::vector<int> on(static_cast<size_t>(dp), 0);
+      for (int32_t s : seqs) on[static_cast<size_t>(engine->group_of(s))] += 1;
+      EXPECT_EQ(*std::min_element(on.begin(), on.end()) + (dp == 2 ? 1 : 0), *std::max_element(on.begin(), on.end()))
+          << "the sequences are not spread evenly over the ranks";
+    }
     for (int32_t s : seqs) engine->close(s);
     const cuda::MemoryReport m = engine->memory();
     EXPECT_GT(m.weights, 0u);
-    EXPECT_EQ(m.kv_blocks_free, m.kv_blocks - 1) << "blocks left behind after closing every sequence";
+    EXPECT_EQ(m.kv_blocks_free, m.kv_blocks - dp) << "blocks left behind after closing every sequence";
     return out;
   };
   const char* via = dist::ep_backend_name(backend);
@@ -211,6 +242,90 @@ INSTANTIATE_TEST_SUITE_P(
              dist::ep_backend_name(std::get<2>(info.param));
     });
 
+// Data-parallel attention (--dp N --ep N): each GPU runs attention for its own sequences and the
+// experts exchange each GPU's own rows. The one-GPU answers on rank 0 and on the last rank, the
+// graph and batch checks with uneven ranks, and a step of prefills on every rank at once (in
+// lockstep chunks of uneven length) equal to each prefill run alone.
+class CudaEngineDataParallel : public ::testing::TestWithParam<std::tuple<std::string, int, dist::EpBackend>> {};
+
+TEST_P(CudaEngineDataParallel, LogitsAndGreedyTokensMatchOneGpu) {
+  const auto& [name, n, backend] = GetParam();
+  REQUIRE_PEER_GPUS(n);
+  expect_one_gpu_answers(name, n, backend, n);
+}
+
+TEST_P(CudaEngineDataParallel, GraphDecodeEqualsEagerAndBatchEqualsAlone) {
+  const auto& [name, n, backend] = GetParam();
+  REQUIRE_PEER_GPUS(n);
+  expect_graph_equals_eager_and_batch_equals_alone(name, n, backend, n);
+}
+
+TEST_P(CudaEngineDataParallel, PrefillsOfEveryRankInOneStepEqualEachAlone) {
+  const auto& [name, n, backend] = GetParam();
+  REQUIRE_PEER_GPUS(n);
+  const std::string dir = fixture_dir(name);
+  cuda::EngineOptions o;
+  o.ep_backend = backend;
+  o.ep = n;
+  o.dp = n;
+  o.max_batch = 4;
+  o.max_step_tokens = 8;  // prompts of up to 26 tokens take up to 4 chunks, of different lengths per rank
+  o.max_context = 64;
+  auto engine = cuda::Engine::load(dir, o);
+  const std::vector<std::vector<int32_t>> prompts{
+      {3, 2, 8, 8, 4, 6, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, {7, 1, 9}, {4, 4, 2, 9, 8, 1, 3, 5, 7, 9, 2, 4, 6,
+                                                                       8, 1, 3, 5, 7, 9, 2, 4, 6, 8, 1, 3, 5},
+      {6, 5, 4, 3, 2, 1, 9, 8, 7}, {11}};
+  std::vector<int32_t> seqs;
+  runtime::StepPlan plan;
+  for (const auto& p : prompts) {
+    seqs.push_back(engine->open());
+    runtime::StepRow row;
+    row.seq = seqs.back();
+    row.offset = static_cast<int32_t>(plan.tokens.size());
+    row.count = static_cast<int32_t>(p.size());
+    row.sample = true;
+    plan.tokens.insert(plan.tokens.end(), p.begin(), p.end());
+    plan.rows.push_back(row);
+  }
+  std::vector<int32_t> together = engine->run(plan).tokens;
+  runtime::StepPlan next;  // then one decode step of them all
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    runtime::StepRow row;
+    row.seq = seqs[i];
+    row.offset = static_cast<int32_t>(i);
+    row.count = 1;
+    row.sample = true;
+    row.draw = 1;
+    next.tokens.push_back(together[i]);
+    next.rows.push_back(row);
+  }
+  const std::vector<int32_t> decoded = engine->run(next).tokens;
+  together.insert(together.end(), decoded.begin(), decoded.end());
+  for (int32_t s : seqs) engine->close(s);
+  std::vector<int32_t> alone(2 * prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const int32_t s = engine->open();
+    alone[i] = engine->prefill(s, prompts[i], SamplingParams{});
+    std::vector<SamplingParams> g(1);
+    alone[prompts.size() + i] = engine->decode(std::vector<int32_t>{s}, std::vector<int32_t>{alone[i]}, g)[0];
+    engine->close(s);
+  }
+  EXPECT_EQ(together, alone) << name << " dp " << n << " " << dist::ep_backend_name(backend);
+  EXPECT_EQ(engine->memory().kv_blocks_free, engine->memory().kv_blocks - n);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fixtures, CudaEngineDataParallel,
+    ::testing::Combine(::testing::Values("qwen3_moe_bf16", "qwen2_moe_f32", "deepseek_v3_f32"),
+                       ::testing::Values(2, 4),
+                       ::testing::Values(dist::EpBackend::kAllgatherReducescatter, dist::EpBackend::kAlltoallPadded,
+                                         dist::EpBackend::kAlltoallPacked, dist::EpBackend::kP2p)),
+    [](const auto& info) {
+      return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "gpus_dp_" +
+             dist::ep_backend_name(std::get<2>(info.param));
+    });
+
 // Refused with a one-line reason before any weight is read or any GPU is needed.
 TEST(CudaEngineParallel, RefusesSplitsItCannotRun) {
   EXPECT_EQ(test::error_kind_of([] { cuda::engine_ranks(2, 1); }), ErrorKind::kUnsupported) << "tp without ep";
@@ -222,6 +337,21 @@ TEST(CudaEngineParallel, RefusesSplitsItCannotRun) {
   EXPECT_NE(why.find("valid names: local_allreduce, allgather_reducescatter"), std::string::npos) << why;
   EXPECT_EQ(test::error_kind_of([] { cuda::engine_ep_backend("deepep"); }, &why), ErrorKind::kUnsupported);
   EXPECT_EQ(cuda::engine_ep_backend("alltoall_packed"), dist::EpBackend::kAlltoallPacked);
+  using dist::EpBackend;
+  EXPECT_EQ(test::error_kind_of([] { cuda::check_engine_dp(2, 2, 2, EpBackend::kP2p); }, &why), ErrorKind::kUnsupported);
+  EXPECT_NE(why.find("--tp 1"), std::string::npos) << why;
+  EXPECT_EQ(test::error_kind_of([] { cuda::check_engine_dp(2, 1, 4, EpBackend::kP2p); }, &why),
+            ErrorKind::kInvalidArgument);
+  EXPECT_NE(why.find("dp × tp must equal the GPUs"), std::string::npos) << why;
+  EXPECT_EQ(test::error_kind_of([] { cuda::check_engine_dp(2, 1, 2, EpBackend::kLocalAllreduce); }, &why),
+            ErrorKind::kInvalidArgument);
+  EXPECT_NE(why.find("allgather_reducescatter, alltoall_padded, alltoall_packed or p2p"), std::string::npos) << why;
+  EXPECT_EQ(test::error_kind_of([] { cuda::check_engine_dp(0, 1, 1, EpBackend::kP2p); }), ErrorKind::kInvalidArgument);
+  cuda::check_engine_dp(1, 2, 2, EpBackend::kLocalAllreduce);  // no dp: nothing to check
+  cuda::check_engine_dp(4, 1, 4, EpBackend::kAlltoallPacked);
+  EXPECT_EQ(test::error_kind_of([] { load(fixture_dir("qwen3_moe_f32"), 1, 2, true, true, EpBackend::kLocalAllreduce, 2); }, &why),
+            ErrorKind::kInvalidArgument)
+      << "dp through an all-reduce, refused by the engine before any GPU is needed";
   EXPECT_EQ(test::error_kind_of([] { load(fixture_dir("qwen3_moe_f32"), 1, 1, true, true, dist::EpBackend::kP2p); }, &why),
             ErrorKind::kInvalidArgument)
       << "an exchange on one GPU";

@@ -4,7 +4,8 @@
 // that leaves some ranks idle. The output must be identical on every rank, within bf16 rounding
 // of the one-GPU result, and poisoned outputs must be fully written. p2p is also captured in a
 // CUDA graph and replayed with new routing, and a rank that never joins makes its peer report a
-// timeout instead of hanging. Skipped, visibly, with fewer than two GPUs (and, for the collective
+// timeout instead of hanging. Under data-parallel attention (own tokens) each rank's rows come back
+// to it alone. Skipped, visibly, with fewer than two GPUs (and, for the collective
 // backends, without NCCL; for p2p, without peer access).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -128,9 +129,69 @@ struct RankData {
 };
 
 cuda::EpLayerConfig config(dist::EpBackend backend, int ranks, int rank, int64_t max_tokens,
-                           cuda::ExpertShape shape = kShape) {
+                           cuda::ExpertShape shape = kShape, bool own_tokens = false) {
   return {.backend = backend, .rank = rank, .ranks = ranks, .device = rank, .experts = shape.experts,
-          .hidden = shape.hidden, .inter = shape.inter, .top_k = shape.top_k, .max_tokens = max_tokens};
+          .hidden = shape.hidden, .inter = shape.inter, .top_k = shape.top_k, .max_tokens = max_tokens,
+          .own_tokens = own_tokens};
+}
+
+// Each rank's rows [rank * n, (rank + 1) * n) of the problem, as its own tokens.
+Bits rows_of(const Bits& all, int rank, int64_t n, int64_t width) {
+  return Bits(all.begin() + rank * n * width, all.begin() + (rank + 1) * n * width);
+}
+template <typename T>
+std::vector<T> rows_of(const std::vector<T>& all, int rank, int64_t n, int64_t width) {
+  return std::vector<T>(all.begin() + rank * n * width, all.begin() + (rank + 1) * n * width);
+}
+
+// Data-parallel attention: rank r passes its own `per_rank` rows of the problem (ranks * per_rank
+// tokens) through a layer set up for `max_tokens` rows per rank, twice (the first call on other
+// rows), and returns each rank's output rows.
+std::vector<Bits> run_ep_own(dist::EpBackend backend, int ranks, const Problem& p, int64_t per_rank,
+                             int64_t max_tokens) {
+  std::vector<Bits> outs(static_cast<size_t>(ranks));
+  const Problem warm = make_problem(p.tokens, 1.0, 98, p.shape);
+  const int64_t H = p.shape.hidden, K = p.shape.top_k;
+  auto body = [&](int r, dist::Communicator* comm, cuda::P2pExchange* x) {
+    EXPECT_EQ(cudaSetDevice(r), cudaSuccess);
+    const Bits gu = RankData::slice(p, p.gate_up, ranks, r, 2 * p.shape.inter * H);
+    const Bits dn = RankData::slice(p, p.down, ranks, r, H * p.shape.inter);
+    DeviceBuffer<uint16_t> gate_up(gu), down(dn), xs(rows_of(p.x, r, per_rank, H)),
+        wx(rows_of(warm.x, r, per_rank, H)), out(static_cast<size_t>(per_rank * H));
+    DeviceBuffer<int32_t> ids(rows_of(p.ids, r, per_rank, K)), wids(rows_of(warm.ids, r, per_rank, K));
+    DeviceBuffer<float> w(rows_of(p.weights, r, per_rank, K)), ww(rows_of(warm.weights, r, per_rank, K));
+    out.poison();
+    cuda::EpExperts layer(config(backend, ranks, r, max_tokens, p.shape, true), gate_up.get(), down.get(), comm, x);
+    cudaStream_t st;
+    EXPECT_EQ(cudaStreamCreate(&st), cudaSuccess);
+    layer.forward(wx.get(), wids.get(), ww.get(), per_rank, out.get(), st);
+    out.poison();
+    layer.forward(xs.get(), ids.get(), w.get(), per_rank, out.get(), st);
+    layer.check(st);
+    EXPECT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    outs[static_cast<size_t>(r)] = out.download();
+    cudaStreamDestroy(st);
+  };
+  if (backend == dist::EpBackend::kP2p) {
+    cuda::P2pExchange x(first_devices(ranks), H, K, max_tokens, 20.0, true);
+    std::vector<std::thread> threads;
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(ranks));
+    for (int r = 0; r < ranks; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          body(r, nullptr, &x);
+        } catch (...) {
+          errors[static_cast<size_t>(r)] = std::current_exception();
+        }
+      });
+    for (auto& t : threads) t.join();
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+  } else {
+    cuda::run_gpu_ranks(first_devices(ranks),
+                        [&](int r, dist::Communicator& comm) { body(r, &comm, nullptr); }, 60.0);
+  }
+  return outs;
 }
 
 // Runs `backend` on the first `ranks` GPUs (two calls, so that the second reuses buffers that
@@ -176,11 +237,8 @@ std::vector<Bits> run_ep(dist::EpBackend backend, int ranks, const Problem& p) {
 // Every rank's output is the same, fully written, and each element is within a few bf16 steps
 // (at the row's scale) of the one-GPU result: each rank rounds its partial sum to bf16 once and
 // the sum of the partials is rounded once more.
-void expect_matches(const std::vector<Bits>& outs, const Bits& want, const char* what,
-                    int64_t hidden = kHidden) {
-  for (size_t r = 1; r < outs.size(); ++r)
-    EXPECT_EQ(outs[r], outs[0]) << what << ": rank " << r << " differs from rank 0";
-  const auto got = gputest::from_bf16(outs[0]), ref = gputest::from_bf16(want);
+void expect_close(const Bits& out, const Bits& want, const char* what, int64_t hidden) {
+  const auto got = gputest::from_bf16(out), ref = gputest::from_bf16(want);
   ASSERT_EQ(got.size(), ref.size());
   double worst = 0;
   for (size_t t = 0; t * hidden < ref.size(); ++t) {
@@ -193,6 +251,13 @@ void expect_matches(const std::vector<Bits>& outs, const Bits& want, const char*
     }
   }
   EXPECT_LE(worst, 4.0 / 256) << what;  // 4 steps of bf16 (8 bits of mantissa) at the row's scale
+}
+
+void expect_matches(const std::vector<Bits>& outs, const Bits& want, const char* what,
+                    int64_t hidden = kHidden) {
+  for (size_t r = 1; r < outs.size(); ++r)
+    EXPECT_EQ(outs[r], outs[0]) << what << ": rank " << r << " differs from rank 0";
+  expect_close(outs[0], want, what, hidden);
 }
 
 bool backend_available(dist::EpBackend b, int ranks, std::string* why) {
@@ -226,6 +291,36 @@ TEST(CudaEp, EveryBackendMatchesOneGpu) {
     for (double skew : {1.0, 0.3})
       check_every_backend(make_problem(tokens, skew, static_cast<uint32_t>(tokens * 10 + (skew < 1))),
                           "T=" + std::to_string(tokens) + ", skew " + std::to_string(skew));
+}
+
+// Data-parallel attention: each rank's own rows (none shared) go through every backend that
+// exchanges them and come back to that rank only, equal to the one-GPU layer on those rows. Calls
+// below the layer's capacity, one row per rank, and routing that leaves ranks idle.
+TEST(CudaEp, OwnTokensOfEachRankMatchOneGpu) {
+  if (device_count() < 2) GTEST_SKIP() << "needs two or more CUDA devices";
+  const dist::EpBackend own[] = {dist::EpBackend::kAllgatherReducescatter, dist::EpBackend::kAlltoallPadded,
+                                 dist::EpBackend::kAlltoallPacked, dist::EpBackend::kP2p};
+  for (int ranks : group_sizes())
+    for (int64_t per_rank : {1, 5, 96})
+      for (double skew : {1.0, 0.3}) {
+        const Problem p = make_problem(ranks * per_rank, skew, static_cast<uint32_t>(500 + per_rank * 3 + (skew < 1)));
+        const Bits want = one_gpu(p);
+        for (dist::EpBackend b : own) {
+          std::string why;
+          if (!backend_available(b, ranks, &why)) {
+            std::printf("[ SKIPPED  ] %s on %d GPUs: %s\n", dist::ep_backend_name(b), ranks, why.c_str());
+            continue;
+          }
+          const std::vector<Bits> outs = run_ep_own(b, ranks, p, per_rank, per_rank + 7);
+          for (int r = 0; r < ranks; ++r) {
+            const std::string what = std::string(dist::ep_backend_name(b)) + ", own tokens of rank " +
+                                     std::to_string(r) + " of " + std::to_string(ranks) + ", " +
+                                     std::to_string(per_rank) + " per rank, skew " + std::to_string(skew);
+            expect_close(outs[static_cast<size_t>(r)], rows_of(want, r, per_rank, p.shape.hidden), what.c_str(),
+                         p.shape.hidden);
+          }
+        }
+      }
 }
 
 // The seed workload's shape (8 experts, hidden 512, inter 1024, top-2) at the sizes the seed
@@ -341,6 +436,8 @@ TEST(CudaEp, RefusesBadConfigurations) {
   EXPECT_EQ(code(make(c)), ErrorKind::kInvalidArgument) << "rank outside the group";
   c = config(dist::EpBackend::kDeepep, 2, 0, 4);
   EXPECT_EQ(code(make(c)), ErrorKind::kUnsupported) << "deepep";
+  c = config(dist::EpBackend::kLocalAllreduce, 2, 0, 4, kShape, true);
+  EXPECT_EQ(code(make(c)), ErrorKind::kInvalidArgument) << "own tokens through an all-reduce";
   EXPECT_EQ(code([] { cuda::P2pExchange x({0, 0}, kHidden, kTopK, 4); }), ErrorKind::kInvalidArgument)
       << "a device listed twice";
   EXPECT_EQ(code([] { cuda::P2pExchange x({0}, 12, kTopK, 4); }), ErrorKind::kInvalidArgument)

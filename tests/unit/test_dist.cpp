@@ -831,6 +831,12 @@ TEST(DistConfig, BackendTraitsDescribeTheExchange) {
   EXPECT_EQ(ep_backend_traits(EpBackend::kAllgatherReducescatter).expert_rows(10, 4), 10);
   EXPECT_EQ(ep_backend_traits(EpBackend::kLocalAllreduce).expert_rows(1, 8), 1);
   EXPECT_EQ(ep_backend_traits(EpBackend::kP2p).expert_rows(5, 2), 6);
+  // Data-parallel attention: each rank passes its own T rows, and all n ranks' may arrive.
+  for (const std::string& name : ep_backend_names()) {
+    const EpBackendTraits& t = ep_backend_traits(parse_ep_backend(name));
+    EXPECT_EQ(t.runs_data_parallel(), name != "local_allreduce") << name;
+    if (t.runs_data_parallel()) EXPECT_EQ(t.expert_rows(5, 4, true), 20) << name;
+  }
 }
 
 TEST(DistConfig, UnknownBackendListsValidNames) {

@@ -1,6 +1,6 @@
 // The scheduler's plans over a stand-in executor (no model): the step budget and the sequence
 // limit hold, decodes come before prompt chunks, preemption and recomputation keep every request's
-// output, a failing step loses nothing (also one that ran part of its rows before it failed), and
+// output (also with data-parallel groups, each with its own blocks), a failing step loses nothing (also one that ran part of its rows before it failed), and
 // no block or sequence stays taken. The stand-in keeps its sequences in a real SequenceTable and
 // "generates" a token that depends on the sequence's whole history and the draw index only, so a
 // request's output shows whether it was fed the right tokens. Last, the request loop over the
@@ -37,34 +37,55 @@ int32_t next_token(const std::vector<int32_t>& history, int64_t draw) {
 
 class FakeExecutor final : public runtime::Executor {
  public:
-  FakeExecutor(int64_t max_sequences, int64_t kv_blocks, int64_t block_size, int64_t max_context)
-      : limits_{max_sequences, max_context, block_size, kv_blocks, kVocab},
-        blocks_(kv_blocks, block_size),
-        table_(blocks_, max_sequences, max_context, true) {}
+  // `groups` attention groups (data-parallel ranks), each of max_sequences and kv_blocks of its
+  // own; a sequence lives in the group with the fewest open ones, and its id names the group.
+  FakeExecutor(int64_t max_sequences, int64_t kv_blocks, int64_t block_size, int64_t max_context, int groups = 1)
+      : limits_{max_sequences * groups, max_context, block_size, kv_blocks * groups, kVocab, groups} {
+    for (int g = 0; g < groups; ++g) {
+      blocks_.push_back(std::make_unique<BlockAllocator>(kv_blocks, block_size));
+      tables_.push_back(std::make_unique<SequenceTable>(*blocks_.back(), max_sequences, max_context, true, g, groups));
+    }
+  }
 
   const runtime::ExecutorLimits& limits() const override { return limits_; }
   int32_t open() override {
-    const int32_t seq = table_.open();
+    size_t g = 0;
+    for (size_t i = 1; i < tables_.size(); ++i)
+      if (tables_[i]->open_count() < tables_[g]->open_count()) g = i;
+    const int32_t seq = tables_[g]->open();
     sampled_last_[seq] = false;
     open_.insert(seq);
     return seq;
   }
   void close(int32_t seq) override {
-    table_.close(seq);
+    closes.push_back({group_of(seq), table(seq).at(seq).length});
+    table(seq).close(seq);
     open_.erase(seq);
   }
-  int64_t length(int32_t seq) const override { return table_.at(seq).length; }
+  int64_t length(int32_t seq) const override { return table(seq).at(seq).length; }
   int64_t reuse_prefix(int32_t seq, std::span<const int32_t> tokens) override {
-    return table_.reuse_prefix(seq, tokens);
+    return table(seq).reuse_prefix(seq, tokens);
   }
   runtime::KvUsage kv_usage() const override {
-    return {blocks_.num_blocks(), blocks_.free_blocks(), blocks_.cached_blocks()};
+    runtime::KvUsage u;
+    for (int g = 0; g < static_cast<int>(blocks_.size()); ++g) {
+      const runtime::KvUsage x = group_kv_usage(g);
+      u.total += x.total, u.free += x.free, u.cached += x.cached;
+    }
+    return u;
+  }
+  int group_of(int32_t seq) const override { return seq % static_cast<int32_t>(tables_.size()); }
+  runtime::KvUsage group_kv_usage(int g) const override {
+    const BlockAllocator& b = *blocks_[static_cast<size_t>(g)];
+    return {b.num_blocks(), b.free_blocks(), b.cached_blocks()};
   }
   runtime::StepResult run(const runtime::StepPlan& plan) override {
     runtime::check_plan(plan, *this);
-    int64_t need = 0;
-    for (const runtime::StepRow& r : plan.rows) need += table_.blocks_needed(r.seq, r.count);
-    MOE_CHECK(need <= blocks_.free_blocks(), kInvalidArgument, "KV cache full");
+    std::vector<int64_t> need(blocks_.size(), 0);
+    for (const runtime::StepRow& r : plan.rows)
+      need[static_cast<size_t>(group_of(r.seq))] += table(r.seq).blocks_needed(r.seq, r.count);
+    for (size_t g = 0; g < need.size(); ++g)
+      MOE_CHECK(need[g] <= blocks_[g]->free_blocks(), kInvalidArgument, "KV cache full in group {}", g);
     Recorded rec;
     std::vector<int32_t> out;
     const bool fail = fail_after_rows >= 0;
@@ -73,10 +94,10 @@ class FakeExecutor final : public runtime::Executor {
       const runtime::StepRow& r = plan.rows[i];
       rec.decode.push_back(sampled_last_[r.seq]);  // the token it feeds is one it generated
       sampled_last_[r.seq] = r.sample;
-      table_.reserve(r.seq, r.count);
-      table_.append(r.seq, std::span<const int32_t>(plan.tokens).subspan(static_cast<size_t>(r.offset),
-                                                                          static_cast<size_t>(r.count)));
-      out.push_back(r.sample ? next_token(table_.at(r.seq).tokens, r.draw) : -1);
+      table(r.seq).reserve(r.seq, r.count);
+      table(r.seq).append(r.seq, std::span<const int32_t>(plan.tokens).subspan(static_cast<size_t>(r.offset),
+                                                                                static_cast<size_t>(r.count)));
+      out.push_back(r.sample ? next_token(table(r.seq).at(r.seq).tokens, r.draw) : -1);
     }
     if (fail) {
       fail_after_rows = -1;
@@ -94,18 +115,22 @@ class FakeExecutor final : public runtime::Executor {
   };
   // The open sequences, and the tokens whose keys and values one of them holds.
   std::vector<int32_t> open_sequences() const { return {open_.begin(), open_.end()}; }
-  const std::vector<int32_t>& history(int32_t seq) const { return table_.at(seq).tokens; }
+  const std::vector<int32_t>& history(int32_t seq) const { return table(seq).at(seq).tokens; }
 
   std::vector<Recorded> plans;
+  std::vector<std::pair<int, int64_t>> closes;  // each closed sequence's group and length
   // >= 0: the next run feeds that many of its rows (their tokens into the cache, as a device
   // that failed partway through a step leaves them), then throws and records the plan.
   int64_t fail_after_rows = -1;
   runtime::StepPlan failed_plan;
 
  private:
+  SequenceTable& table(int32_t seq) { return *tables_[static_cast<size_t>(group_of(seq))]; }
+  const SequenceTable& table(int32_t seq) const { return *tables_[static_cast<size_t>(group_of(seq))]; }
+
   runtime::ExecutorLimits limits_;
-  BlockAllocator blocks_;
-  SequenceTable table_;
+  std::vector<std::unique_ptr<BlockAllocator>> blocks_;
+  std::vector<std::unique_ptr<SequenceTable>> tables_;
   std::map<int32_t, bool> sampled_last_;
   std::set<int32_t> open_;
 };
@@ -209,6 +234,56 @@ TEST(SchedulerPlans, PreemptionAndRecomputationKeepEveryOutput) {
   EXPECT_EQ(x.kv_usage().free, 10);
 }
 
+// Data-parallel attention: each group has its own blocks, so a request that needs room must
+// preempt a request of its own group (preempting another group's frees nothing it can use, and
+// the stand-in refuses a step that overfills a group). Every output is still the request's alone,
+// and the per-group load adds up to the totals while requests run.
+TEST(SchedulerPlans, GroupsPreemptWithinTheirOwnBlocksAndKeepEveryOutput) {
+  FakeExecutor x(3, 8, 4, 256, 2);  // two groups of 3 sequences and 32 rows each
+  Scheduler s(x, SchedulerConfig{32, 0, true});
+  std::mt19937 rng(11);
+  const Submitted submitted =
+      submit_all(s, rng, 9, [](int i) { return 3 + 2 * i; }, [](int i) { return 8 + i % 3; });
+  bool both_busy = false;
+  const auto got = run_to_end(s, [&] {
+    const SchedulerStats st = s.stats();
+    ASSERT_EQ(st.groups.size(), 2u);
+    EXPECT_EQ(st.groups[0].running + st.groups[1].running, st.running);
+    EXPECT_EQ(st.groups[0].blocks_used + st.groups[1].blocks_used, st.blocks_used);
+    both_busy = both_busy || (st.groups[0].running > 0 && st.groups[1].running > 0);
+  });
+  for (const auto& [id, req] : submitted) EXPECT_EQ(got.at(id), alone(req.first, req.second)) << id;
+  EXPECT_TRUE(both_busy) << "the requests never ran on both groups at once";
+  EXPECT_GT(s.stats().preemptions, 0);
+  EXPECT_EQ(s.stats().blocks_used, 0);
+  EXPECT_EQ(x.kv_usage().free, 16);
+  // A request that one group's blocks cannot hold is refused at submit, though both groups' could.
+  RequestOptions o;
+  o.max_tokens = 8;
+  EXPECT_EQ(test::error_kind_of([&] { s.submit(random_prompt(rng, 30), o); }), ErrorKind::kInvalidArgument);
+}
+
+// The newest running request overall is in the group with room; the one that must give way is
+// the newest of the full group. Requests 1 and 3 (group 0) outgrow its 8 blocks; 2 and 4 (group
+// 1) fit and must finish without ever being preempted.
+TEST(SchedulerPlans, ARequestMakesRoomOnlyInItsOwnGroup) {
+  FakeExecutor x(2, 8, 4, 256, 2);
+  Scheduler s(x, SchedulerConfig{32, 0, true});
+  std::mt19937 rng(13);
+  const Submitted submitted =
+      submit_all(s, rng, 4, [](int i) { return i % 2 == 0 ? 12 : 1; }, [](int) { return 12; });
+  const auto got = run_to_end(s);
+  for (const auto& [id, req] : submitted) EXPECT_EQ(got.at(id), alone(req.first, req.second)) << id;
+  EXPECT_GT(s.stats().preemptions, 0);
+  int group1 = 0;
+  for (const auto& [group, length] : x.closes)
+    if (group == 1) {
+      EXPECT_EQ(length, 12) << "a request of the group with room was preempted";
+      ++group1;
+    }
+  EXPECT_EQ(group1, 2);
+}
+
 TEST(SchedulerPlans, AFailedStepLosesNothing) {
   FakeExecutor x(3, 64, 4, 256);
   Scheduler s(x, SchedulerConfig{16, 0, true});
@@ -307,6 +382,29 @@ TEST(RequestLoop, AStepThatFailsPartwayEndsItsRequestAndTheNextOneIsServed) {
   }
   EXPECT_TRUE(x.open_sequences().empty());
   EXPECT_EQ(x.kv_usage().free, 64);
+}
+
+// /metrics lists each data-parallel rank's running requests and blocks (the counts themselves
+// are SchedulerStats::groups, checked above); one group lists none.
+TEST(RequestLoop, MetricsListEveryRankOfADataParallelExecutor) {
+  FakeExecutor two(2, 16, 4, 256, 2), one(2, 16, 4, 256);
+  RequestLoop with_ranks{std::make_unique<Scheduler>(two, SchedulerConfig{16, 0, true})};
+  RequestLoop without{std::make_unique<Scheduler>(one, SchedulerConfig{16, 0, true})};
+  auto served = [](RequestLoop& loop) {
+    auto job = std::make_shared<Job>();
+    job->prompt = {1, 2, 3};
+    job->options.max_tokens = 3;
+    EXPECT_EQ(loop.submit(job), "");
+    std::unique_lock lock(job->m);
+    job->cv.wait(lock, [&] { return job->finished; });
+  };
+  served(with_ranks);
+  served(without);
+  const std::string m = with_ranks.metrics();
+  for (const char* line : {"moe_rank_running_requests{rank=\"0\"} 0\n", "moe_rank_running_requests{rank=\"1\"} 0\n",
+                           "moe_rank_kv_blocks_in_use{rank=\"0\"} 0\n", "moe_rank_kv_blocks_in_use{rank=\"1\"} 0\n"})
+    EXPECT_NE(m.find(line), std::string::npos) << line << " missing from\n" << m;
+  EXPECT_EQ(without.metrics().find("moe_rank_"), std::string::npos);
 }
 
 TEST(SchedulerPlans, CancelClosesTheSequence) {

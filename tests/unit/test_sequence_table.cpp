@@ -48,6 +48,30 @@ TEST(SequenceTable, OpensUpToTheLimitAndReusesClosedIds) {
   expect_refusal([&] { SequenceTable(blocks, 0, 32, true); }, "at least one sequence");
 }
 
+// The tables of data-parallel groups give out disjoint ids (first_id + i * stride), refuse the
+// others' ids, and name the id they were given in every refusal.
+TEST(SequenceTable, GroupTablesGiveOutDisjointIds) {
+  BlockAllocator blocks0(8, 4), blocks1(8, 4);
+  SequenceTable t0(blocks0, 3, 32, true, 0, 2), t1(blocks1, 3, 32, true, 1, 2);
+  EXPECT_EQ(t0.open(), 0);
+  EXPECT_EQ(t0.open(), 2);
+  EXPECT_EQ(t1.open(), 1);
+  EXPECT_EQ(t1.open(), 3);
+  expect_refusal([&] { t0.at(1); }, "sequence 1 is not open");
+  expect_refusal([&] { t1.at(2); }, "sequence 2 is not open");
+  expect_refusal([&] { t1.at(5); }, "sequence 5 is not open");
+  t1.reserve(3, 5);
+  EXPECT_EQ(blocks1.free_blocks(), 6);
+  EXPECT_EQ(blocks0.free_blocks(), 8);
+  const Error e = expect_error([&] { t1.append(3, iota_tokens(9)); });  // 2 blocks of 4 rows
+  EXPECT_EQ(e.kind(), ErrorKind::kInternal);
+  EXPECT_NE(e.message().find("sequence 3: 9 tokens appended past its 8 reserved rows"), std::string::npos)
+      << e.message();
+  t0.close(0);
+  EXPECT_EQ(t0.open(), 0);
+  expect_refusal([&] { SequenceTable(blocks0, 1, 32, true, 0, 0); }, "in steps of 0");
+}
+
 TEST(SequenceTable, ReservesOnlyTheBlocksNewRowsNeed) {
   BlockAllocator blocks(8, 4);
   SequenceTable t(blocks, 2, 32, false);

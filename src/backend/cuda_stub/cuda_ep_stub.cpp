@@ -11,7 +11,7 @@ bool peer_access_available(const std::vector<int>&, std::string* why) {
 
 struct P2pExchange::State {};
 
-P2pExchange::P2pExchange(const std::vector<int>&, int64_t, int64_t, int64_t, double) {
+P2pExchange::P2pExchange(const std::vector<int>&, int64_t, int64_t, int64_t, double, bool) {
   MOE_THROW(kUnsupported, "EP backend 'p2p': this build has no CUDA backend (configure with -DMOE_CUDA=ON)");
 }
 P2pExchange::~P2pExchange() = default;

@@ -80,6 +80,7 @@ struct P2pRank {
 struct P2pExchange::State {
   std::vector<int> devices;
   int64_t hidden = 0, top_k = 0, max_tokens = 0, cap = 0;
+  bool own_tokens = false;
   long long timeout_ns = 0;
   double timeout_s = 0;
   size_t bytes = 0;
@@ -87,7 +88,7 @@ struct P2pExchange::State {
 };
 
 P2pExchange::P2pExchange(const std::vector<int>& devices, int64_t hidden, int64_t top_k,
-                         int64_t max_tokens, double timeout_s)
+                         int64_t max_tokens, double timeout_s, bool own_tokens)
     : s_(std::make_unique<State>()) {
   check_devices(devices);
   MOE_CHECK(hidden >= 8 && hidden % 8 == 0 && top_k >= 1 && top_k <= 32 && max_tokens >= 1 &&
@@ -105,7 +106,8 @@ P2pExchange::P2pExchange(const std::vector<int>& devices, int64_t hidden, int64_
   s.top_k = top_k;
   s.max_tokens = max_tokens;
   const int64_t n = static_cast<int64_t>(devices.size());
-  s.cap = ceil_div(max_tokens, n);
+  s.own_tokens = own_tokens;
+  s.cap = own_tokens ? max_tokens : ceil_div(max_tokens, n);
   s.timeout_s = timeout_s;
   s.timeout_ns = static_cast<long long>(timeout_s * 1e9);
   enable_peer_access(devices);
@@ -196,7 +198,13 @@ namespace {
 // The most rows one call runs through this rank's experts (the receive capacity when tokens
 // are sharded).
 int64_t expert_rows(const EpLayerConfig& c) {
-  return dist::ep_backend_traits(c.backend).expert_rows(c.max_tokens, c.ranks);
+  return dist::ep_backend_traits(c.backend).expert_rows(c.max_tokens, c.ranks, c.own_tokens);
+}
+
+// Rows per (source, destination) slice for calls of `tokens` tokens: a shard of them, or all of
+// a rank's own.
+int64_t slice_rows(const EpLayerConfig& c, int64_t tokens) {
+  return c.own_tokens ? tokens : ceil_div(tokens, c.ranks);
 }
 
 // This rank's experts under the configuration (0 for one the constructor will refuse).
@@ -211,7 +219,9 @@ void layout(EpExperts::State& s, Carver& v) {
   const int64_t rows = expert_rows(c);
   const ExpertShape shape{s.placement->num_local(), c.hidden, c.inter, c.top_k};
   const size_t h = static_cast<size_t>(c.hidden), kk = static_cast<size_t>(c.top_k);
-  const size_t t = static_cast<size_t>(c.max_tokens), r = static_cast<size_t>(rows);
+  // Tokens every rank's rows together make: the gathered batch.
+  const size_t t = static_cast<size_t>(c.own_tokens ? c.ranks * c.max_tokens : c.max_tokens);
+  const size_t r = static_cast<size_t>(rows);
   const size_t n = static_cast<size_t>(c.ranks), cap = static_cast<size_t>(s.cap);
   s.ws = v.take<unsigned char>(Experts::workspace_bytes(shape, rows));
   s.y = v.take<uint16_t>(r * h);
@@ -264,17 +274,22 @@ EpExperts::EpExperts(const EpLayerConfig& config, const DeviceMatrix& gate_up, c
   MOE_CHECK(c.max_tokens >= 1, kInvalidArgument, "max_tokens must be >= 1, got {}", c.max_tokens);
   MOE_CHECK(kind != dist::EpBackend::kDeepep, kUnsupported,
             "EP backend 'deepep' is not available in this build");
+  MOE_CHECK(!c.own_tokens || dist::ep_backend_traits(kind).runs_data_parallel(), kInvalidArgument,
+            "EP backend '{}' needs the same tokens on every rank; data-parallel attention takes "
+            "allgather_reducescatter, alltoall_padded, alltoall_packed or p2p",
+            dist::ep_backend_name(kind));
   if (kind == dist::EpBackend::kP2p) {
     MOE_CHECK(p2p != nullptr && p2p->ranks() == c.ranks, kInvalidArgument,
               "EP backend 'p2p' needs the group's exchange, made for {} ranks", c.ranks);
     auto& x = p2p->state();
     MOE_CHECK(x.hidden == c.hidden && x.top_k == c.top_k && x.max_tokens >= c.max_tokens &&
-                  x.devices[static_cast<size_t>(c.rank)] == c.device,
+                  x.own_tokens == c.own_tokens && x.devices[static_cast<size_t>(c.rank)] == c.device,
               kInvalidArgument,
-              "the p2p exchange was made for hidden {}, top-k {}, {} tokens and device {} as rank "
-              "{}; this layer has hidden {}, top-k {}, {} tokens, device {}",
-              x.hidden, x.top_k, x.max_tokens, x.devices[static_cast<size_t>(c.rank)], c.rank,
-              c.hidden, c.top_k, c.max_tokens, c.device);
+              "the p2p exchange was made for hidden {}, top-k {}, {} tokens{} and device {} as rank "
+              "{}; this layer has hidden {}, top-k {}, {} tokens{}, device {}",
+              x.hidden, x.top_k, x.max_tokens, x.own_tokens ? " per rank" : "",
+              x.devices[static_cast<size_t>(c.rank)], c.rank, c.hidden, c.top_k, c.max_tokens,
+              c.own_tokens ? " per rank" : "", c.device);
     s.p2p = &x;
   } else if (c.ranks > 1 || kind != dist::EpBackend::kLocalAllreduce) {
     MOE_CHECK(comm != nullptr && comm->size() == c.ranks && comm->rank() == c.rank,
@@ -292,7 +307,7 @@ EpExperts::EpExperts(const EpLayerConfig& config, const DeviceMatrix& gate_up, c
   const ExpertShape shape{s.placement->num_local(), c.hidden, c.inter, c.top_k};
   MOE_CUDA_CHECK(cudaSetDevice(c.device));
   s.experts = std::make_unique<Experts>(gate_up, down, shape, rows, c.device);
-  s.cap = ceil_div(c.max_tokens, c.ranks);
+  s.cap = slice_rows(c, c.max_tokens);
   Carver sizing;
   layout(s, sizing);
   s.bytes = sizing.used();
@@ -313,7 +328,7 @@ size_t EpExperts::workspace_bytes(const EpLayerConfig& config) {
   State s;
   s.c = config;
   s.placement = std::make_unique<ExpertPlacement>(config.experts, config.ranks, config.rank);
-  s.cap = ceil_div(config.max_tokens, config.ranks);
+  s.cap = slice_rows(config, config.max_tokens);
   Carver sizing;
   layout(s, sizing);
   return sizing.used();
@@ -342,9 +357,11 @@ void EpExperts::forward(const uint16_t* x, const int32_t* ids, const float* weig
   auto* st = static_cast<cudaStream_t>(stream);
   const int n = c.ranks, me = c.rank;
   const int64_t T = tokens, H = c.hidden, K = c.top_k;
-  const auto [begin, end] = token_shard(T, n, me);
+  // The rows this rank sends: its shard of the batch, or all of its own.
+  const auto [begin, end] = c.own_tokens ? std::pair<int64_t, int64_t>{0, T} : token_shard(T, n, me);
   const int S = static_cast<int>(end - begin);
-  const int64_t cap = ceil_div(T, n);  // this call's slice of rows per (source, destination)
+  const int64_t cap = slice_rows(c, T);  // this call's slice of rows per (source, destination)
+  const int64_t gathered = c.own_tokens ? n * T : T;  // every rank's rows together
   k::EpRouting rt = s.routing;
   rt.ids = ids;
   rt.weights = weights;
@@ -354,12 +371,14 @@ void EpExperts::forward(const uint16_t* x, const int32_t* ids, const float* weig
   auto shard_sizes = [&](size_t per_token) {
     std::vector<size_t> v;
     for (int p = 0; p < n; ++p) {
-      auto [b, e] = token_shard(T, n, p);
+      auto [b, e] = c.own_tokens ? std::pair<int64_t, int64_t>{0, T} : token_shard(T, n, p);
       v.push_back(static_cast<size_t>(e - b) * per_token);
     }
     return v;
   };
+  // Each rank ends with every token's output; not with own tokens, whose rows stay home.
   auto regather = [&] {
+    if (c.own_tokens) return;
     const auto bytes = shard_sizes(static_cast<size_t>(H) * 2);
     const uint64_t before = s.sent();
     s.comm->all_gatherv(out + begin * H, bytes[static_cast<size_t>(me)], out, bytes);
@@ -388,8 +407,8 @@ void EpExperts::forward(const uint16_t* x, const int32_t* ids, const float* weig
       s.comm->all_gatherv(ids + begin * K, sb[static_cast<size_t>(me)], s.ids_g, sb);
       s.comm->all_gatherv(weights + begin * K, sb[static_cast<size_t>(me)], s.w_g, sb);
       stats.meta_bytes += s.sent() - before;
-      MOE_CUDA_CHECK(k::ep_localize(s.ids_g, static_cast<int>(T * K), first, num, s.lids, st));
-      if (!c.exchange_only) s.experts->forward(s.x_g, s.lids, s.w_g, T, s.y, s.ws, st);
+      MOE_CUDA_CHECK(k::ep_localize(s.ids_g, static_cast<int>(gathered * K), first, num, s.lids, st));
+      if (!c.exchange_only) s.experts->forward(s.x_g, s.lids, s.w_g, gathered, s.y, s.ws, st);
       s.sync(st);
       std::vector<size_t> counts = shard_sizes(static_cast<size_t>(H));
       before = s.sent();
@@ -505,6 +524,7 @@ void EpExperts::forward(const uint16_t* x, const int32_t* ids, const float* weig
       comb.rows = static_cast<int>(rows);
       comb.back = back;
       comb.sig = returned;
+      comb.source_rows = c.own_tokens ? static_cast<int>(cap) : 0;
       comb.comb = mine.comb;
       comb.stride = x2.max_tokens;
       comb.wait = k::EpWait{mine.flags + n, mine.epoch, x2.timeout_ns, mine.status, 2};

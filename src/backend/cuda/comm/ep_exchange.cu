@@ -298,7 +298,10 @@ __global__ void __maxnreg__(128) combine_p2p_kernel(EpRouting r, P2pCombine c,
       __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&v);
 #pragma unroll
       for (int k = 0; k < 4; ++k) o[k] = __floats2bfloat162_rn(s[2 * k], s[2 * k + 1]);
-      for (int q = 0; q < r.ranks; ++q) reinterpret_cast<uint4*>(c.back.dest[q] + (size_t)t * hidden)[g] = v;
+      if (c.source_rows > 0)  // only the token's own rank holds it
+        reinterpret_cast<uint4*>(c.back.dest[row / c.source_rows] + (size_t)t * hidden)[g] = v;
+      else
+        for (int q = 0; q < r.ranks; ++q) reinterpret_cast<uint4*>(c.back.dest[q] + (size_t)t * hidden)[g] = v;
     }
   }
   // This rank's rows are out once every block has fenced its own: the last one raises the flags.

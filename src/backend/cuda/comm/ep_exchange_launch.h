@@ -124,6 +124,9 @@ struct P2pCombine {
   int rows = 0;
   EpRowsOut back;
   EpSignal sig;
+  // > 0 (own tokens, data-parallel attention): received rows [s * source_rows, (s + 1) *
+  // source_rows) came from rank s, which alone gets their sums back; 0: every rank gets every row.
+  int source_rows = 0;
   const uint16_t* comb = nullptr;  // [ranks, stride, hidden] rows back from each owner
   long long stride = 0;
   EpWait wait;

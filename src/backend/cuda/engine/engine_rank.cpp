@@ -17,7 +17,7 @@
 namespace moe::cuda::engine {
 
 Rank::Rank(const ModelConfig& mc, const EngineOptions& o, int r, int n, const PeerAllReduce* sum, EpLink link)
-    : config(mc), opts(o), rank(r), ranks(n), tp(o.tp > 1), allreduce(sum), ep_link(link) {
+    : config(mc), opts(o), rank(r), ranks(n), tp(o.tp > 1), dp(o.dp > 1), allreduce(sum), ep_link(link) {
   const dist::EpBackendTraits& traits = dist::ep_backend_traits(o.ep_backend);
   exchanges = n > 1 && traits.reduced_output;
   capturable = !exchanges || traits.graph_capturable;
@@ -93,6 +93,7 @@ void Rank::setup_exchange() {
   c.inter = mc.moe.intermediate_size;
   c.top_k = mc.moe.top_k;
   c.max_tokens = max_tokens;
+  c.own_tokens = dp;
   const size_t bytes = EpExperts::workspace_bytes(c);
   ep_arena = DeviceArena("expert-parallel exchange", bytes + 256);
   c.workspace = ep_arena.take<unsigned char>(bytes);
@@ -192,6 +193,21 @@ void Rank::fill_padding(int from, int to) {
   host(meta.seq_starts)[to] = to;
 }
 
+// Positions 0 .. n - 1 write no KV (slot -1) and attend causally to the zeroed scratch block,
+// which every entry of the segment's table names: finite values that touch no sequence.
+void Rank::pad_segment(int index, int64_t from, int64_t to) {
+  for (int64_t r = from; r < to; ++r) {
+    host(meta.ids)[r] = 0;
+    host(meta.positions)[r] = static_cast<int32_t>(r - from);
+    host(meta.slots)[r] = -1;
+  }
+  host(meta.seq_starts)[index] = static_cast<int32_t>(from);
+  host(meta.context_lens)[index] = static_cast<int32_t>(to - from);
+  write_table(index, {});
+  write_sampling(index, SamplingParams{}, 0);
+  host(meta.seq_starts)[index + 1] = static_cast<int32_t>(to);
+}
+
 void Rank::upload_meta() {
   MOE_CUDA_CHECK(cudaMemcpyAsync(meta_arena.base(), meta_host, meta_arena.used(),
                                  cudaMemcpyHostToDevice, stream));
@@ -204,19 +220,19 @@ void Rank::upload_meta_from(const Rank& written) {
 
 // --- steps -----------------------------------------------------------------------------------
 
-void Rank::eager_step(int64_t rows, int64_t context, float* logits_out, bool sample) {
+void Rank::eager_step(int64_t rows, int segments, int64_t real, int64_t context, float* logits_out, bool sample) {
   last_tokens = rows;
-  run_layers(rows, 1, context);
-  if (rank == 0) {  // every rank holds the same final rows; rank 0 alone reads them out
+  run_layers(rows, segments, context);
+  if (reads_out() && real > 0) {
     if (logits_out)
-      for (int64_t r0 = 0; r0 < rows; r0 += logit_rows) {
-        const int64_t r = std::min(logit_rows, rows - r0);
+      for (int64_t r0 = 0; r0 < real; r0 += logit_rows) {
+        const int64_t r = std::min(logit_rows, real - r0);
         head(r0, r, ws.logits, nullptr);
         MOE_CUDA_CHECK(cudaMemcpyAsync(logits_out + r0 * config.vocab_size, ws.logits,
                                        static_cast<size_t>(r * config.vocab_size) * 4, cudaMemcpyDeviceToHost,
                                        stream));
       }
-    if (sample) head(rows - 1, 1, ws.logits, ws.sampled);
+    if (sample) head(real - 1, 1, ws.logits, ws.sampled);
   }
   // The next step's metadata overwrites the pinned buffer: wait for this step's copy.
   finish_step();
@@ -235,9 +251,9 @@ void Rank::decode_step(int64_t rows, int bucket, DecodeRun how, int32_t* tokens)
     profiled_step(bucket, logits, sampled);
   } else {
     run_layers(bucket, bucket, opts.max_context);
-    if (rank == 0) head(0, bucket, logits, sampled);
+    if (reads_out()) head(0, bucket, logits, sampled);
   }
-  if (rank == 0)
+  if (reads_out() && rows > 0)
     MOE_CUDA_CHECK(cudaMemcpyAsync(tokens, sampled, static_cast<size_t>(rows) * 4, cudaMemcpyDeviceToHost, stream));
   finish_step();
 }
@@ -260,13 +276,13 @@ DecodeGraph& Rank::graph_for(int bucket) {
   fill_padding(0, bucket);
   upload_meta();
   run_layers(bucket, bucket, opts.max_context);
-  if (rank == 0) head(0, bucket, g.logits, g.sampled);
+  if (reads_out()) head(0, bucket, g.logits, g.sampled);
   finish_step();
   cudaGraph_t graph = nullptr;
   MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   try {
     run_layers(bucket, bucket, opts.max_context);
-    if (rank == 0) head(0, bucket, g.logits, g.sampled);
+    if (reads_out()) head(0, bucket, g.logits, g.sampled);
   } catch (...) {
     cudaStreamEndCapture(stream, &graph);
     if (graph) cudaGraphDestroy(graph);
@@ -290,7 +306,7 @@ void Rank::profiled_step(int bucket, float* logits, int32_t* sampled) {
       profiling = pass == 1 && rank == 0;
       mark_names.clear();
       run_layers(bucket, bucket, opts.max_context);
-      if (rank == 0) head(0, bucket, logits, sampled);
+      if (reads_out()) head(0, bucket, logits, sampled);
       profiling = false;
       MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     }
@@ -301,7 +317,7 @@ void Rank::profiled_step(int bucket, float* logits, int32_t* sampled) {
   profiling = rank == 0;
   try {
     run_layers(bucket, bucket, opts.max_context);
-    if (rank == 0) head(0, bucket, logits, sampled);
+    if (reads_out()) head(0, bucket, logits, sampled);
   } catch (...) {
     profiling = false;
     cudaStreamEndCapture(stream, &graph);

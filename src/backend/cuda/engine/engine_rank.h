@@ -80,17 +80,24 @@ struct Rank {
   void end_segments(int segments, int64_t rows);
   // Rows [from, to) of a decode step as padding (closing the segments at `to`).
   void fill_padding(int from, int to);
+  // Rows [from, to) of an eager step as one padding segment `index` (closing the segments after
+  // it): a rank under dp whose sequences have fewer rows in the step than another's.
+  void pad_segment(int index, int64_t from, int64_t to);
   // Copies `written`'s host mirror unless it is this rank's own, then sends it to the device.
   void upload_meta_from(const Rank& written);
 
   // --- steps (metadata uploaded) -----------------------------------------------------------
-  // One eager forward of `rows` rows of one segment whose context ends at `context`. Rank 0
-  // only: with `logits_out`, every row's logits into host memory [rows, vocab]; with `sample`,
-  // the last row's logits and next token into ws.logits and ws.sampled. Returns once done.
-  void eager_step(int64_t rows, int64_t context, float* logits_out, bool sample);
-  // One decode step of `bucket` rows, the first `rows` real ones; rank 0 copies their sampled
-  // tokens into host memory `tokens`. Returns once done.
+  // One eager forward of `rows` rows in `segments` segments whose contexts end by `context`,
+  // the first `real` rows one sequence's (the rest padding). On a rank that reads out: with
+  // `logits_out`, the real rows' logits into host memory [real, vocab]; with `sample`, the last
+  // real row's logits and next token into ws.logits and ws.sampled. Returns once done.
+  void eager_step(int64_t rows, int segments, int64_t real, int64_t context, float* logits_out, bool sample);
+  // One decode step of `bucket` rows, the first `rows` real ones; a rank that reads out copies
+  // their sampled tokens into host memory `tokens`. Returns once done.
   void decode_step(int64_t rows, int bucket, DecodeRun how, int32_t* tokens);
+  // Whether this rank's final rows are read out (logits, sampling): rank 0, whose rows every rank
+  // shares, or under dp every rank, each for its own sequences.
+  bool reads_out() const { return dp || rank == 0; }
   // The smallest decode graph bucket of at least `rows` rows (the largest for more).
   int bucket_for(int64_t rows) const;
   // The bucket's graph, captured on first use (which overwrites the step metadata with padding).
@@ -113,6 +120,9 @@ struct Rank {
   EngineOptions opts;  // this rank's: its device, progress on rank 0 only
   int rank = 0, ranks = 1;
   bool tp = false;
+  // Data-parallel attention (opts.dp > 1): this rank runs attention and the head for its own
+  // sequences, with its own KV cache and step metadata, and its experts exchange those rows only.
+  bool dp = false;
   const PeerAllReduce* allreduce = nullptr;  // sums partial outputs (tp, local_allreduce)
   EpLink ep_link;
   // Whether the routed experts run through an EP exchange (ep_layers) rather than this rank's
