@@ -147,6 +147,32 @@ FIXTURES = {
         rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)), torch.float32, {}),
 }
 
+# FP8 block-scaled checkpoints, laid out as DeepSeek-V3 and Qwen3-*-FP8 publish them: every
+# projection weight stored F8_E4M3 with an f32 `<name>_scale_inv` of one value per 128 x 128 block
+# (edge blocks partial), the weight being q x scale of its block; embeddings, norms, routers and
+# the lm_head stay in the storage dtype. K dimensions are multiples of 128, some N are not.
+FP8_BLOCK = 128
+FIXTURES.update({
+    "qwen3_moe_fp8": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        SMALL, hidden_size=128, num_hidden_layers=2, head_dim=32, intermediate_size=256,
+        moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1], rope_theta=1000000.0, tie_word_embeddings=False),
+        torch.bfloat16, {}),
+    "deepseek_v3_fp8": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        SMALL, hidden_size=128, num_key_value_heads=4, num_hidden_layers=2, intermediate_size=256,
+        moe_intermediate_size=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, kv_lora_rank=128, q_lora_rank=128, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, rope_theta=10000.0, tie_word_embeddings=False), torch.bfloat16, {}),
+})
+# Their quantization_config, as the real checkpoints write it.
+FP8_CONFIG = {
+    "qwen3_moe_fp8": {"activation_scheme": "dynamic", "quant_method": "fp8", "weight_block_size": [128, 128],
+                      "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate"]},
+    "deepseek_v3_fp8": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                        "weight_block_size": [128, 128]},
+}
+
 # Fixtures whose config.json is rewritten after saving into the spelling of the Hub's
 # checkpoints (top-level rope_theta, `rope_scaling` with "type"), and whose references are then
 # computed by the model transformers loads back from that directory.
@@ -242,6 +268,62 @@ def add_mtp_layer(model, out_dir):
     print(f"  mtp layer: {len(mtp)} tensors under model.layers.{n}.")
 
 
+def fp8_weight(name, t):
+    """Whether the real checkpoints store this tensor in FP8: the projections' 2-D weights."""
+    return t.dim() == 2 and (name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight"))
+
+
+def quantize_fp8(arch, out_dir, name):
+    """Rewrites the saved checkpoint in FP8 blocks and returns the model transformers loads from
+    exactly what the checkpoint now holds (each weight q x scale in f32, written to a scratch
+    directory in the same layout), so that the reference sees the stored values."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    out, exact, quantized = {}, {}, 0
+    for key, t in tensors.items():
+        if not fp8_weight(key, t):
+            out[key] = t
+            exact[key] = t.float()
+            continue
+        w = t.float()
+        n, k = w.shape
+        rows, cols = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+        scale = torch.empty(rows, cols, dtype=torch.float32)
+        q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        for i in range(rows):
+            for j in range(cols):
+                blk = w[i * FP8_BLOCK:(i + 1) * FP8_BLOCK, j * FP8_BLOCK:(j + 1) * FP8_BLOCK]
+                s = max(blk.abs().max().item(), 1e-12) / 448.0
+                scale[i, j] = s
+                q[i * FP8_BLOCK:(i + 1) * FP8_BLOCK, j * FP8_BLOCK:(j + 1) * FP8_BLOCK] = (blk / s).to(torch.float8_e4m3fn)
+        # The exact value of each stored weight: its code times its block's scale, in f32.
+        exact[key] = q.float() * scale.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+        out[key] = q
+        out[key[:-len("weight")] + "weight_scale_inv"] = scale
+        quantized += 1
+    os.remove(path)
+    save_file({k: v.contiguous() for k, v in out.items()}, path, metadata={"format": "pt"})
+    scratch = out_dir + ".exact"
+    shutil.rmtree(scratch, ignore_errors=True)
+    os.makedirs(scratch)
+    shutil.copy(os.path.join(out_dir, "config.json"), scratch)
+    save_file({k: v.contiguous() for k, v in exact.items()}, os.path.join(scratch, "model.safetensors"),
+              metadata={"format": "pt"})
+    model = getattr(transformers, arch).from_pretrained(scratch, dtype=torch.float32,
+                                                        attn_implementation="eager").eval()
+    shutil.rmtree(scratch)
+    cfg_path = os.path.join(out_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = FP8_CONFIG[name]
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    print(f"  fp8: {quantized} weights in {FP8_BLOCK} x {FP8_BLOCK} blocks")
+    return model
+
+
 def build(spec, seed, out_dir, full_logits=True, name=""):
     arch, config_cls, kwargs, dtype, save_kwargs = spec
     config = getattr(transformers, config_cls)(**kwargs)
@@ -257,7 +339,11 @@ def build(spec, seed, out_dir, full_logits=True, name=""):
             t.copy_(t.to(dtype).to(torch.float32))
     model = model.float()
     os.makedirs(out_dir, exist_ok=True)
-    if name in LEGACY_ROPE or name in WITH_MTP:
+    if name in FP8_CONFIG:
+        model.to(dtype).save_pretrained(out_dir, **save_kwargs)
+        model = quantize_fp8(arch, out_dir, name)
+        saved = True
+    elif name in LEGACY_ROPE or name in WITH_MTP:
         # Save first, rewrite as the Hub's checkpoints look, and take the references from what
         # transformers loads back: that is what a user of the real checkpoint gets.
         model.to(dtype).save_pretrained(out_dir, **save_kwargs)

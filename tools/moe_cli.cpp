@@ -259,12 +259,22 @@ int run_info(const Common& c) {
   std::unique_ptr<Checkpoint> ckpt;
   if (has_weights) ckpt = std::make_unique<Checkpoint>(c.model_dir);
   std::string dtypes;
+  int64_t stored_params = 0;  // weights, not the FP8 block scales beside them
+  uint64_t scale_bytes = 0;
   if (ckpt) {
     std::map<std::string, uint64_t> by_dtype;
     for (const auto& name : ckpt->names()) {
       const TensorInfo& t = ckpt->info(name);
+      if (name.ends_with("_scale_inv")) {
+        scale_bytes += t.end - t.begin;
+        continue;
+      }
       by_dtype[dtype_name(t.dtype)] += t.end - t.begin;
+      int64_t n = 1;
+      for (int64_t d : t.shape) n *= d;
+      stored_params += n;
     }
+    if (scale_bytes > 0) by_dtype["block scales"] += scale_bytes;
     for (const auto& [d, b] : by_dtype)
       dtypes += fmt::format("{}{} {:.3f} GB", dtypes.empty() ? "" : ", ", d, b / 1e9);
   }
@@ -303,12 +313,14 @@ int run_info(const Common& c) {
   if (mc.num_nextn_predict_layers > 0)
     std::printf("multi-token prediction: %lld layer(s) after the decoder, skipped at load (not used)\n",
                 (long long)mc.num_nextn_predict_layers);
+  std::printf("quantization: %s\n", mc.quant.describe().c_str());
   const int64_t params = parameter_count(mc);
   if (ckpt) {
     std::printf("parameters: %lld in the checkpoint (%.3f B), %lld implied by the config\n",
-                (long long)ckpt->total_elements(), ckpt->total_elements() / 1e9, (long long)params);
-    std::printf("bytes: %.3f GB on disk (%s); %.3f GB as f32 on the CPU\n",
-                ckpt->total_bytes() / 1e9, dtypes.c_str(), params * 4.0 / 1e9);
+                (long long)stored_params, stored_params / 1e9, (long long)params);
+    std::printf("bytes: %.3f GB on disk (%s); resident: %.3f GB as f32 on the CPU, %.3f GB as bf16 on the GPU%s\n",
+                ckpt->total_bytes() / 1e9, dtypes.c_str(), params * 4.0 / 1e9, params * 2.0 / 1e9,
+                mc.quant.fp8 ? " (FP8 weights dequantized: the GPU's FP8 kernels are not built yet)" : "");
   } else {
     std::printf("parameters: %lld implied by the config (%.3f B); no weights in the directory "
                 "(use --random-weights)\n", (long long)params, params / 1e9);

@@ -11,11 +11,15 @@
 
 namespace moe {
 
-enum class DType : uint8_t { kF32, kBF16, kF16 };
+// kF8E4M3 and kF8E5M2 are storage types of checkpoint weights (one byte, OCP FP8: 4 exponent
+// bits and 3 of mantissa with no infinities, or 5 and 2 IEEE-like); tensors the engine computes
+// with are f32, bf16 or f16.
+enum class DType : uint8_t { kF32, kBF16, kF16, kF8E4M3, kF8E5M2 };
 
 size_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);
-// Parses the safetensors spelling ("F32", "BF16", "F16"); throws kFormat for anything else.
+// Parses the safetensors spelling ("F32", "BF16", "F16", "F8_E4M3", "F8_E5M2"); throws kFormat
+// for anything else.
 DType dtype_from_safetensors(const std::string& name);
 
 enum class DeviceType : uint8_t { kCPU, kCUDA };
@@ -34,6 +38,9 @@ float bf16_to_f32(uint16_t bits);
 uint16_t f32_to_bf16(float value);
 float f16_to_f32(uint16_t bits);
 uint16_t f32_to_f16(float value);
+// The exact f32 value of an FP8 code (every FP8 value is an f32 value).
+float f8e4m3_to_f32(uint8_t bits);
+float f8e5m2_to_f32(uint8_t bits);
 // Converts `count` elements of `src` (of dtype `from`) to f32.
 void convert_to_f32(const void* src, DType from, float* dst, size_t count);
 

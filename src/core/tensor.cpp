@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include "core/arena.h"
 #include "moe/errors.h"
@@ -15,6 +16,8 @@ size_t dtype_size(DType dtype) {
     case DType::kF32: return 4;
     case DType::kBF16: return 2;
     case DType::kF16: return 2;
+    case DType::kF8E4M3:
+    case DType::kF8E5M2: return 1;
   }
   return 0;
 }
@@ -24,6 +27,8 @@ const char* dtype_name(DType dtype) {
     case DType::kF32: return "f32";
     case DType::kBF16: return "bf16";
     case DType::kF16: return "f16";
+    case DType::kF8E4M3: return "f8_e4m3";
+    case DType::kF8E5M2: return "f8_e5m2";
   }
   return "?";
 }
@@ -32,7 +37,9 @@ DType dtype_from_safetensors(const std::string& name) {
   if (name == "F32") return DType::kF32;
   if (name == "BF16") return DType::kBF16;
   if (name == "F16") return DType::kF16;
-  MOE_THROW(kFormat, "unsupported tensor dtype '{}' (supported: F32, BF16, F16)", name);
+  if (name == "F8_E4M3") return DType::kF8E4M3;
+  if (name == "F8_E5M2") return DType::kF8E5M2;
+  MOE_THROW(kFormat, "unsupported tensor dtype '{}' (supported: F32, BF16, F16, F8_E4M3, F8_E5M2)", name);
 }
 
 std::string Device::str() const {
@@ -48,6 +55,24 @@ uint16_t f32_to_bf16(float value) {
   if ((word & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((word >> 16) | 0x40);  // NaN
   word += 0x7fffu + ((word >> 16) & 1u);  // round to nearest even
   return static_cast<uint16_t>(word >> 16);
+}
+
+// E4M3 (OCP "fn"): bias 7, no infinities, only S.1111.111 is NaN; subnormals are m x 2^-9.
+float f8e4m3_to_f32(uint8_t bits) {
+  const float sign = (bits & 0x80u) ? -1.0f : 1.0f;
+  const int exp = (bits >> 3) & 0xf, mant = bits & 0x7;
+  if (exp == 0xf && mant == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  if (exp == 0) return sign * std::ldexp(static_cast<float>(mant), -9);
+  return sign * std::ldexp(static_cast<float>(8 + mant), exp - 10);
+}
+
+// E5M2: bias 15, IEEE-like (exponent 31 is infinity or NaN); subnormals are m x 2^-16.
+float f8e5m2_to_f32(uint8_t bits) {
+  const float sign = (bits & 0x80u) ? -1.0f : 1.0f;
+  const int exp = (bits >> 2) & 0x1f, mant = bits & 0x3;
+  if (exp == 0x1f) return mant ? std::numeric_limits<float>::quiet_NaN() : sign * std::numeric_limits<float>::infinity();
+  if (exp == 0) return sign * std::ldexp(static_cast<float>(mant), -16);
+  return sign * std::ldexp(static_cast<float>(4 + mant), exp - 17);
 }
 
 float f16_to_f32(uint16_t bits) {
@@ -101,6 +126,16 @@ void convert_to_f32(const void* src, DType from, float* dst, size_t count) {
     case DType::kF16: {
       const auto* p = static_cast<const uint16_t*>(src);
       for (size_t i = 0; i < count; ++i) dst[i] = f16_to_f32(p[i]);
+      return;
+    }
+    case DType::kF8E4M3: {
+      const auto* p = static_cast<const uint8_t*>(src);
+      for (size_t i = 0; i < count; ++i) dst[i] = f8e4m3_to_f32(p[i]);
+      return;
+    }
+    case DType::kF8E5M2: {
+      const auto* p = static_cast<const uint8_t*>(src);
+      for (size_t i = 0; i < count; ++i) dst[i] = f8e5m2_to_f32(p[i]);
       return;
     }
   }

@@ -198,7 +198,10 @@ void store_from_f32(const float* src, void* dst, DType dtype, size_t count) {
       for (size_t i = 0; i < count; ++i) out[i] = f32_to_f16(src[i]);
       return;
     }
+    case DType::kF8E4M3:
+    case DType::kF8E5M2: break;
   }
+  MOE_THROW(kUnsupported, "collectives do not sum {} values", dtype_name(dtype));
 }
 
 }  // namespace

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
+#include "io/fp8_blocks.h"
 #include "io/regular_file.h"
 #include "moe/errors.h"
 
@@ -106,6 +108,13 @@ WeightLoader::WeightLoader(const Checkpoint& ckpt, Arena& arena, bool strict)
 WeightLoader::WeightLoader(Arena& arena, uint64_t seed)
     : ckpt_(nullptr), arena_(arena), strict_(false), seed_(seed) {}
 
+void WeightLoader::set_fp8_blocks(int64_t block_rows, int64_t block_cols, std::vector<std::string> not_converted) {
+  MOE_CHECK(block_rows > 0 && block_cols > 0, kInvalidArgument, "FP8 blocks of {} x {}", block_rows, block_cols);
+  fp8_rows_ = block_rows;
+  fp8_cols_ = block_cols;
+  fp8_not_converted_ = std::move(not_converted);
+}
+
 WeightLoader WeightLoader::recording(Arena& arena) {
   WeightLoader loader(arena, 0);
   loader.recording_ = true;
@@ -177,21 +186,37 @@ void WeightLoader::take_into(const std::string& name, const std::vector<int64_t>
   }
   size_t count = 1;
   for (int64_t d : shape) count *= static_cast<size_t>(d);
+  // FP8 weights come out exactly as q x scale of their block; the rest converts element-wise.
+  std::optional<Fp8Tensor> fp8;
+  if (ckpt_ && (info->dtype == DType::kF8E4M3 || info->dtype == DType::kF8E5M2)) {
+    MOE_CHECK(fp8_rows_ > 0, kFormat, "tensor '{}' is {} but config.json declares no FP8 quantization_config",
+              name, dtype_name(info->dtype));
+    const std::string module = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
+    for (const std::string& kept : fp8_not_converted_)
+      MOE_CHECK(module != kept, kFormat,
+                "tensor '{}' is FP8, but quantization_config lists '{}' in modules_to_not_convert", name, kept);
+    fp8.emplace(*ckpt_, name, fp8_rows_, fp8_cols_);
+  }
+  const auto* src = ckpt_ ? static_cast<const uint8_t*>(ckpt_->data(name)) : nullptr;
+  auto convert = [&](size_t at, size_t n, float* out) {
+    if (fp8)
+      fp8->dequantize(at, n, out);
+    else
+      convert_to_f32(src + at * dtype_size(info->dtype), info->dtype, out, n);
+  };
   const bool host_copy = !sink_ || shape.size() <= 1;
   if (host_copy) {
     if (ckpt_)
-      convert_to_f32(ckpt_->data(name), info->dtype, dst, count);
+      convert(0, count, dst);
     else
       fill_random(name, seed_, dst, count);
     if (sink_) sink_->write(dst, dst, count);
   } else if (ckpt_) {
     // Through a bounded scratch buffer, so that the host never holds the whole f32 tensor.
     std::vector<float> scratch(std::min(count, kSinkChunk));
-    const auto* src = static_cast<const uint8_t*>(ckpt_->data(name));
-    const size_t elem = dtype_size(info->dtype);
     for (size_t at = 0; at < count; at += scratch.size()) {
       const size_t n = std::min(scratch.size(), count - at);
-      convert_to_f32(src + at * elem, info->dtype, scratch.data(), n);
+      convert(at, n, scratch.data());
       sink_->write(dst + at, scratch.data(), n);
     }
   } else {
@@ -210,6 +235,11 @@ void WeightLoader::take_into(const std::string& name, const std::vector<int64_t>
   }
   taken_.insert(name);
   bytes_loaded_ += ckpt_ ? info->end - info->begin : count * 4;
+  if (fp8) {
+    taken_.insert(fp8->scale_name());
+    bytes_loaded_ += fp8->scale_bytes();
+    ++fp8_tensors_;
+  }
   if (ckpt_ && on_progress) on_progress(bytes_loaded_, ckpt_->total_bytes());
 }
 

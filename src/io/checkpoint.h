@@ -88,6 +88,12 @@ class WeightLoader {
   void finish();
 
   uint64_t bytes_loaded() const { return bytes_loaded_; }
+  // FP8 weights (io/fp8_blocks.h) in blocks of block_rows x block_cols, which the checkpoint's
+  // quantization_config declares; a module listed in `not_converted` must not be FP8. Without
+  // this call an FP8 tensor is refused.
+  void set_fp8_blocks(int64_t block_rows, int64_t block_cols, std::vector<std::string> not_converted);
+  // FP8 weights taken so far.
+  int64_t fp8_tensors() const { return fp8_tensors_; }
   // Route values through `sink` (see WeightSink); it must outlive the loading.
   void set_sink(WeightSink* sink) { sink_ = sink; }
   // Called as bytes are converted (for progress on a terminal).
@@ -103,6 +109,9 @@ class WeightLoader {
   std::vector<std::pair<std::string, std::vector<int64_t>>> order_;
   std::set<std::string> taken_;
   uint64_t bytes_loaded_ = 0;
+  int64_t fp8_rows_ = 0, fp8_cols_ = 0;
+  std::vector<std::string> fp8_not_converted_;
+  int64_t fp8_tensors_ = 0;
 };
 
 }  // namespace moe

@@ -98,14 +98,7 @@ void parse_decoder_common(const HfConfig& cfg, ModelConfig& mc) {
   const double partial = cfg.get_or<double>({"partial_rotary_factor"}, 1.0);
   MOE_CHECK(partial == 1.0, kUnsupported, "{}: partial_rotary_factor {} is not supported (only 1)", cfg.origin(),
             partial);
-  // Not implemented, so refused rather than ignored: the weights would be read wrongly.
-  if (const auto* q = cfg.find({"quantization_config"})) {
-    const auto method = q->is_object() && q->contains("quant_method") ? q->at("quant_method").dump() : q->dump();
-    MOE_THROW(kUnsupported,
-              "{}: quantization_config (quant_method {}) is not supported yet: the engine loads F32, BF16 "
-              "and F16 weights only",
-              cfg.origin(), method);
-  }
+  mc.quant = parse_quantization(cfg);
   std::string act = cfg.get_or<std::string>({"hidden_act", "hidden_activation"}, "silu");
   MOE_CHECK(act == "silu", kUnsupported, "{}: hidden_act '{}' is not supported (only 'silu')",
             cfg.origin(), act);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "io/hf_config.h"
+#include "model/quantization.h"
 #include "model/rope.h"
 #include "moe/router.h"
 
@@ -63,6 +64,7 @@ struct ModelConfig {
   float rms_norm_eps = 1e-6f;
   float rope_theta = 10000.0f;
   RopeScaling rope_scaling;  // YaRN, llama3, linear (rope_scaling / rope_parameters)
+  Quantization quant;        // quantization_config: FP8 block-scaled weights, or none
   RopeStyle rope_style = RopeStyle::kHalf;
   // Multiplies the softmax scale 1 / sqrt(qk head dim): DeepSeek's YaRN m^2 (rope.h), else 1.
   float softmax_scale_factor = 1.0f;

@@ -70,9 +70,11 @@ std::unique_ptr<Model> Model::load(const std::string& dir, const LoadOptions& op
   if (opts.random_weights) {
     WeightLoader loader(model->weights_arena_, opts.seed);
     model->weights_ = load_weights(mc, loader, all);
+    if (!opts.comm || opts.comm->rank() == 0) note_random_fp8(mc, "f32");
   } else {
     Checkpoint ckpt(dir);
     WeightLoader loader(ckpt, model->weights_arena_, opts.strict);
+    if (mc.quant.fp8) loader.set_fp8_blocks(mc.quant.block_rows, mc.quant.block_cols, mc.quant.modules_to_not_convert);
     const bool draw = opts.progress && isatty(STDERR_FILENO) && ckpt.total_bytes() >= (64u << 20);
     int last_percent = -1;
     if (draw) {
@@ -87,6 +89,7 @@ std::unique_ptr<Model> Model::load(const std::string& dir, const LoadOptions& op
     }
     model->weights_ = load_weights(mc, loader, all);
     loader.finish();
+    check_fp8_found(mc, loader, dir);
     if (draw) std::fprintf(stderr, "\n");
     if (!opts.comm || opts.comm->rank() == 0) note_skipped_mtp(mc, model->weights_);
   }

@@ -131,6 +131,17 @@ ModelWeights load_weights(const ModelConfig& mc, WeightLoader& loader, const Exp
   return w;
 }
 
+void note_random_fp8(const ModelConfig& mc, const char* dtype) {
+  if (!mc.quant.fp8) return;
+  std::fprintf(stderr, "note: random weights are drawn in %s; the config's FP8 format (%s) is not drawn\n", dtype,
+               mc.quant.weight_format().name().c_str());
+}
+
+void check_fp8_found(const ModelConfig& mc, const WeightLoader& loader, const std::string& dir) {
+  MOE_CHECK(!mc.quant.fp8 || loader.fp8_tensors() > 0, kFormat,
+            "{}: quantization_config declares FP8 weights, but no tensor the model uses is F8_E4M3", dir);
+}
+
 void note_skipped_mtp(const ModelConfig& mc, const ModelWeights& w) {
   if (w.skipped_mtp_tensors == 0) return;
   const std::string layers = mc.num_nextn_predict_layers == 1

@@ -74,4 +74,12 @@ ModelWeights load_weights(const ModelConfig& mc, WeightLoader& loader,
 // when there were none).
 void note_skipped_mtp(const ModelConfig& mc, const ModelWeights& w);
 
+// With --random-weights over a config that declares FP8 weights: the one line on stderr saying that
+// the weights were drawn in `dtype` instead (nothing otherwise).
+void note_random_fp8(const ModelConfig& mc, const char* dtype);
+
+// After a checkpoint's weights were taken: a quantization_config that declares FP8 weights where
+// no tensor was FP8 disagrees with the files (kFormat naming the directory).
+void check_fp8_found(const ModelConfig& mc, const WeightLoader& loader, const std::string& dir);
+
 }  // namespace moe

@@ -62,6 +62,39 @@ fresh; sed -i 's/Qwen3MoeForCausalLM/BertForMaskedLM/' "$work/m/config.json"
 expect unknown_architecture "unknown architecture 'BertForMaskedLM'" -- "$cli" logits -m "$work/m" --ids 1
 fresh; sed -i 's/^{/{ broken/' "$work/m/config.json"
 expect malformed_config "not valid JSON" -- "$cli" info -m "$work/m"
+# FP8 block-scaled checkpoints (DeepSeek-V3's layout), damaged one way each. fp8_edit CODE runs
+# CODE over the copy's safetensors header `h` (a dict) and data `d` (a bytearray) and writes it back.
+fp8="$src/tests/fixtures/deepseek_v3_fp8"
+fp8_fresh() { rm -rf "$work/f"; cp -r "$fp8" "$work/f"; }
+fp8_edit() {
+  python3 - "$work/f/model.safetensors" "$1" <<'PY'
+import json, struct, sys
+path, code = sys.argv[1], sys.argv[2]
+raw = open(path, "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+h, d = json.loads(raw[8:8 + n]), bytearray(raw[8 + n:])
+exec(code)
+text = json.dumps(h).encode()
+open(path, "wb").write(struct.pack("<Q", len(text)) + text + bytes(d))
+PY
+}
+w=model.layers.0.self_attn.q_a_proj.weight
+fp8_fresh; fp8_edit "del h['$w""_scale_inv']"
+expect fp8_missing_scale "FP8 tensor '$w' has no scale tensor '$w""_scale_inv'" -- "$cli" logits -m "$work/f" --ids 1
+w2=model.layers.0.self_attn.q_b_proj.weight  # [192, 128]: scales [2, 1]
+fp8_fresh; fp8_edit "h['$w2""_scale_inv']['shape'] = [1, 2]"
+expect fp8_scale_shape "scale '$w2""_scale_inv' has shape \[1, 2\], but $w2 \[192, 128\] in 128 x 128 blocks needs \[2, 1\]" -- "$cli" logits -m "$work/f" --ids 1
+fp8_fresh; fp8_edit "a = h['$w""_scale_inv']['data_offsets'][0]; d[a:a + 4] = struct.pack('<f', float('nan'))"
+expect fp8_nonfinite_scale "scale '$w""_scale_inv' holds nan at block \[0, 0\]" -- "$cli" logits -m "$work/f" --ids 1
+fp8_fresh; fp8_edit "h['$w']['dtype'] = 'F8_E5M2'"
+expect fp8_e5m2_declared_e4m3 "tensor '$w' is F8_E5M2, but quantization_config declares e4m3" -- "$cli" logits -m "$work/f" --ids 1
+fp8_fresh; sed -i 's/^      128,$/      64,/' "$work/f/config.json"
+expect fp8_block_size "weight_block_size \[64, 128\] is not a block the engine runs" -- "$cli" logits -m "$work/f" --ids 1
+fp8_fresh; python3 -c "import json,sys; p=sys.argv[1]; c=json.load(open(p)); del c['quantization_config']; json.dump(c, open(p,'w'))" "$work/f/config.json"
+expect fp8_undeclared "is f8_e4m3 but config.json declares no FP8 quantization_config" -- "$cli" logits -m "$work/f" --ids 1
+fp8_fresh; sed -i 's/"quant_method": "fp8"/"quant_method": "awq"/' "$work/f/config.json"
+expect quant_method_unsupported "quant_method 'awq' is not supported; supported: quant_method fp8" -- "$cli" info -m "$work/f"
+
 expect token_id_out_of_vocab "token id 384 is outside the vocabulary" -- "$cli" logits -m "$fixture" --ids 3,384
 expect negative_token_id "token id -2" -- "$cli" logits -m "$fixture" --ids -2
 expect not_a_token_id "'x' is not a token id" -- "$cli" logits -m "$fixture" --ids 3,x

@@ -220,7 +220,8 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, CudaFixtureTest,
                                            "deepseek_v2_grouped_f32", "deepseek_v3_f32",
                                            "deepseek_v3_g8_f32", "deepseek_v3_bf16", "qwen3_moe_yarn_f32",
                                            "deepseek_v2_yarn_legacy_f32", "deepseek_v3_yarn_mtp_legacy_bf16",
-                                           "mixtral_llama3_f32", "qwen3_dense_linear_f32"));
+                                           "mixtral_llama3_f32", "qwen3_dense_linear_f32", "qwen3_moe_fp8",
+                                           "deepseek_v3_fp8"));
 
 // Real widths (head_dim 64, 64 experts of 384, vocab 151936): the GPU engine and the CPU engine
 // hold the same random weights (the device draws the loader's stream) and must agree.

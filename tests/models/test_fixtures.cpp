@@ -135,6 +135,7 @@ INSTANTIATE_TEST_SUITE_P(Transformers, FixtureTest,
                                            "deepseek_v2_grouped_f32", "deepseek_v3_f32",
                                            "deepseek_v3_g8_f32", "deepseek_v3_bf16",
                                            "qwen2_moe_f32", "olmoe_f32", "qwen3_moe_yarn_f32",
+                                           "qwen3_moe_fp8", "deepseek_v3_fp8",
                                            "deepseek_v2_yarn_legacy_f32", "deepseek_v3_yarn_mtp_legacy_bf16",
                                            "mixtral_llama3_f32", "qwen3_dense_linear_f32"),
                          [](const auto& info) { return info.param; });

@@ -85,13 +85,20 @@ TEST(ModelErrors, ImpossibleConfigValues) {
     c["rope_parameters"]["factor"] = 2.0;
   });
   EXPECT_EQ(expect_error([&] { Model::load(rope.dir.str()); }).kind(), ErrorKind::kUnsupported);
-  // Quantized checkpoints are refused, not read as if they were plain weights.
+  // A quantization_config that the files do not follow is refused, not read as if the weights
+  // were plain: here FP8 is declared over f32 tensors.
   EditedFixture quant("qwen3_dense_f32", [](auto& c) {
     c["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"weight_block_size", {128, 128}}};
   });
   auto q = expect_error([&] { Model::load(quant.dir.str()); });
-  EXPECT_EQ(q.kind(), ErrorKind::kUnsupported);
-  EXPECT_NE(q.message().find("quantization_config (quant_method \"fp8\")"), std::string::npos) << q.message();
+  EXPECT_EQ(q.kind(), ErrorKind::kFormat);
+  EXPECT_NE(q.message().find("declares FP8 weights, but no tensor the model uses is F8_E4M3"), std::string::npos)
+      << q.message();
+  EditedFixture awq("qwen3_dense_f32", [](auto& c) { c["quantization_config"] = {{"quant_method", "awq"}}; });
+  auto a = expect_error([&] { Model::load(awq.dir.str()); });
+  EXPECT_EQ(a.kind(), ErrorKind::kUnsupported);
+  EXPECT_NE(a.message().find("quant_method 'awq' is not supported; supported: quant_method fp8"), std::string::npos)
+      << a.message();
   EditedFixture scoring("deepseek_v3_f32", [](auto& c) { c["scoring_func"] = "softmax"; });
   EXPECT_EQ(expect_error([&] { Model::load(scoring.dir.str()); }).kind(), ErrorKind::kUnsupported);
 }

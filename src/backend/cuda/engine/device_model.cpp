@@ -133,10 +133,12 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     WeightLoader loader(*layout, opts.seed);
     loader.set_sink(&sink);
     w = load_weights(mc, loader, selection);
+    if (opts.rank == 0) note_random_fp8(mc, "bf16");
   } else {
     Checkpoint ckpt(dir);
     WeightLoader loader(ckpt, *layout, opts.strict);
     loader.set_sink(&sink);
+    if (mc.quant.fp8) loader.set_fp8_blocks(mc.quant.block_rows, mc.quant.block_cols, mc.quant.modules_to_not_convert);
     const bool draw = opts.progress && isatty(STDERR_FILENO) && ckpt.total_bytes() >= (64u << 20);
     int last = -1;
     if (draw)
@@ -150,7 +152,13 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
       };
     w = load_weights(mc, loader, selection);
     loader.finish();
+    check_fp8_found(mc, loader, dir);
     if (draw) std::fprintf(stderr, "\n");
+    if (mc.quant.fp8 && opts.rank == 0)
+      std::fprintf(stderr,
+                   "note: %lld FP8 weights are dequantized exactly and held as bf16 on the GPU (its FP8 kernels "
+                   "are not built yet): twice their bytes on disk\n",
+                   static_cast<long long>(loader.fp8_tensors()));
     if (opts.rank == 0) note_skipped_mtp(mc, w);
   }
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
