@@ -73,27 +73,21 @@ serve() {
 failures=0
 serve one_gpu || { echo "FAIL the one-GPU server: no completion"; exit 1; }
 echo "one GPU: $(tr '\n' ' ' < "$work/one_gpu")"
-for backend in local_allreduce allgather_reducescatter alltoall_padded alltoall_packed p2p; do
-  if ! serve "$backend" --ep 2 --ep-backend "$backend"; then
-    echo "FAIL --ep 2 --ep-backend $backend: no streamed completion"
-    failures=$((failures + 1))
-  elif cmp -s "$work/one_gpu" "$work/$backend"; then
-    echo "ok   --ep 2 --ep-backend $backend streams the one-GPU text"
-  else
-    echo "FAIL --ep 2 --ep-backend $backend streams: $(tr '\n' ' ' < "$work/$backend")"
-    failures=$((failures + 1))
-  fi
-done
-# Data-parallel attention: each GPU serves its own requests with its own cache.
-for backend in allgather_reducescatter alltoall_padded alltoall_packed p2p; do
-  name="dp_$backend"
-  if ! serve "$name" --ep 2 --dp 2 --ep-backend "$backend"; then
-    echo "FAIL --ep 2 --dp 2 --ep-backend $backend: no streamed completion"
+# Every backend with replicated attention, then data-parallel attention (--dp 2: each GPU serves
+# its own requests with its own cache) over every backend that exchanges each GPU's own tokens.
+for run in local_allreduce allgather_reducescatter alltoall_padded alltoall_packed p2p \
+           dp:allgather_reducescatter dp:alltoall_padded dp:alltoall_packed dp:p2p; do
+  backend=${run#dp:}
+  flags=(--ep 2 --ep-backend "$backend")
+  [ "$run" != "$backend" ] && flags=(--ep 2 --dp 2 --ep-backend "$backend")
+  name=${run/:/_}
+  if ! serve "$name" "${flags[@]}"; then
+    echo "FAIL ${flags[*]}: no streamed completion"
     failures=$((failures + 1))
   elif cmp -s "$work/one_gpu" "$work/$name"; then
-    echo "ok   --ep 2 --dp 2 --ep-backend $backend streams the one-GPU text"
+    echo "ok   ${flags[*]} streams the one-GPU text"
   else
-    echo "FAIL --ep 2 --dp 2 --ep-backend $backend streams: $(tr '\n' ' ' < "$work/$name")"
+    echo "FAIL ${flags[*]} streams: $(tr '\n' ' ' < "$work/$name")"
     failures=$((failures + 1))
   fi
 done

@@ -148,9 +148,11 @@ TEST_P(CudaFixtureTest, LogitsMatchTransformersWithinBf16Bound) {
 // Greedy continuations through prefill and graph-replayed decode steps equal the CPU engine's
 // (which equal transformers') at every step the CPU decided clearly. A step is clear when the
 // GPU routed every earlier position as the CPU did and the CPU's top-2 logit margin exceeds three times the largest
-// |GPU - CPU| logit difference measured at that position (GPU logits of the same sequence,
-// teacher-forced): twice that difference already fixes the GPU's argmax, the third covers the
-// decode kernels' different summation order. Steps after the first unclear one are reported.
+// |GPU - CPU| logit difference measured at that position, both in one forward of the whole
+// sequence and one token at a time as decode computes it (from the keys and values earlier steps
+// cached in bf16), teacher-forced along the CPU's tokens: twice that difference already fixes the
+// GPU's argmax, the third covers the graph's batch padding. Steps after the first unclear one are
+// reported.
 TEST_P(CudaFixtureTest, GreedyTokensMatchCpuEngine) {
   REQUIRE_GPU();
   const std::string dir = fixture_dir(GetParam());
@@ -169,14 +171,31 @@ TEST_P(CudaFixtureTest, GreedyTokensMatchCpuEngine) {
     const RoutingAgreement ra =
         compare_routing(cpu, engine->last_routing(), engine->config().num_layers,
                         static_cast<int64_t>(sequence.size()), std::max<int64_t>(engine->config().moe.top_k, 1));
+    // The same positions as decode computes them: one token at a time after the prompt, each
+    // reading the keys and values the earlier steps cached (one-token steps run the decode
+    // step's kernels), along the CPU's tokens.
+    std::vector<Tensor> stepped;
+    {
+      const int32_t s = engine->open();
+      Tensor last;
+      engine->prefill(s, ids, SamplingParams{}, &last);
+      stepped.push_back(last);
+      for (size_t step = 0; step + 1 < expected.size(); ++step) {
+        engine->prefill(s, std::vector<int32_t>{expected[step]}, SamplingParams{}, &last);
+        stepped.push_back(last);
+      }
+      engine->close(s);
+    }
     size_t clear = 0;
     for (size_t step = 0; step < expected.size(); ++step) {
       const size_t pos = ids.size() - 1 + step;
       if (ra.first_divergence <= pos) break;
       const float* c = cpu.logits.data<float>() + static_cast<int64_t>(pos) * vocab;
       const float* g = forced.data<float>() + static_cast<int64_t>(pos) * vocab;
+      const float* d = stepped[step].data<float>();
       double diff = 0;
-      for (int64_t v = 0; v < vocab; ++v) diff = std::max(diff, std::fabs(static_cast<double>(c[v]) - g[v]));
+      for (int64_t v = 0; v < vocab; ++v)
+        diff = std::max({diff, std::fabs(static_cast<double>(c[v]) - g[v]), std::fabs(static_cast<double>(c[v]) - d[v])});
       std::vector<float> sorted(c, c + vocab);
       std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
       if (sorted[0] - sorted[1] <= 3 * diff) break;

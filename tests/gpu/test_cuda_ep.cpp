@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <optional>
 #include <random>
 #include <thread>
@@ -135,6 +136,31 @@ cuda::EpLayerConfig config(dist::EpBackend backend, int ranks, int rank, int64_t
           .own_tokens = own_tokens};
 }
 
+// body(rank, comm, exchange) on the first `ranks` GPUs at once, one thread each: p2p over a
+// P2pExchange of those sizes, the other backends over an NCCL group. Rethrows a rank's failure.
+using RankBody = std::function<void(int, dist::Communicator*, cuda::P2pExchange*)>;
+void on_ranks(dist::EpBackend backend, int ranks, int64_t hidden, int64_t top_k, int64_t max_tokens, bool own_tokens,
+              const RankBody& body) {
+  if (backend != dist::EpBackend::kP2p) {
+    cuda::run_gpu_ranks(first_devices(ranks), [&](int r, dist::Communicator& comm) { body(r, &comm, nullptr); }, 60.0);
+    return;
+  }
+  cuda::P2pExchange x(first_devices(ranks), hidden, top_k, max_tokens, 20.0, own_tokens);
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(ranks));
+  for (int r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        body(r, nullptr, &x);
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
 // Each rank's rows [rank * n, (rank + 1) * n) of the problem, as its own tokens.
 Bits rows_of(const Bits& all, int rank, int64_t n, int64_t width) {
   return Bits(all.begin() + rank * n * width, all.begin() + (rank + 1) * n * width);
@@ -172,25 +198,7 @@ std::vector<Bits> run_ep_own(dist::EpBackend backend, int ranks, const Problem& 
     outs[static_cast<size_t>(r)] = out.download();
     cudaStreamDestroy(st);
   };
-  if (backend == dist::EpBackend::kP2p) {
-    cuda::P2pExchange x(first_devices(ranks), H, K, max_tokens, 20.0, true);
-    std::vector<std::thread> threads;
-    std::vector<std::exception_ptr> errors(static_cast<size_t>(ranks));
-    for (int r = 0; r < ranks; ++r)
-      threads.emplace_back([&, r] {
-        try {
-          body(r, nullptr, &x);
-        } catch (...) {
-          errors[static_cast<size_t>(r)] = std::current_exception();
-        }
-      });
-    for (auto& t : threads) t.join();
-    for (auto& e : errors)
-      if (e) std::rethrow_exception(e);
-  } else {
-    cuda::run_gpu_ranks(first_devices(ranks),
-                        [&](int r, dist::Communicator& comm) { body(r, &comm, nullptr); }, 60.0);
-  }
+  on_ranks(backend, ranks, H, K, max_tokens, true, body);
   return outs;
 }
 
@@ -212,25 +220,7 @@ std::vector<Bits> run_ep(dist::EpBackend backend, int ranks, const Problem& p) {
     outs[static_cast<size_t>(r)] = d.out.download();
     cudaStreamDestroy(st);
   };
-  if (backend == dist::EpBackend::kP2p) {
-    cuda::P2pExchange x(first_devices(ranks), p.shape.hidden, p.shape.top_k, p.tokens, 20.0);
-    std::vector<std::thread> threads;
-    std::vector<std::exception_ptr> errors(static_cast<size_t>(ranks));
-    for (int r = 0; r < ranks; ++r)
-      threads.emplace_back([&, r] {
-        try {
-          body(r, nullptr, &x);
-        } catch (...) {
-          errors[static_cast<size_t>(r)] = std::current_exception();
-        }
-      });
-    for (auto& t : threads) t.join();
-    for (auto& e : errors)
-      if (e) std::rethrow_exception(e);
-  } else {
-    cuda::run_gpu_ranks(first_devices(ranks),
-                        [&](int r, dist::Communicator& comm) { body(r, &comm, nullptr); }, 60.0);
-  }
+  on_ranks(backend, ranks, p.shape.hidden, p.shape.top_k, p.tokens, false, body);
   return outs;
 }
 
