@@ -27,6 +27,8 @@ std::vector<int32_t> Engine::decode(std::span<const int32_t>, std::span<const in
 }
 const runtime::ExecutorLimits& Engine::limits() const { MOE_THROW(kInternal, "no CUDA engine"); }
 runtime::KvUsage Engine::kv_usage() const { return {}; }
+int Engine::group_of(int32_t) const { MOE_THROW(kInternal, "no CUDA engine"); }
+runtime::KvUsage Engine::group_kv_usage(int) const { return {}; }
 runtime::StepResult Engine::run(const runtime::StepPlan&) { MOE_THROW(kInternal, "no CUDA engine"); }
 MemoryReport Engine::memory() const { return {}; }
 std::vector<int32_t> Engine::last_routing() const { return {}; }
