@@ -118,14 +118,24 @@ void convert_to_f32(const void* src, DType from, float* dst, size_t count) {
     case DType::kF32:
       std::memcpy(dst, src, count * 4);
       return;
+    // A checkpoint's 16-bit values need not be 2-byte aligned (safetensors does not pad its
+    // header): each is read byte-wise.
     case DType::kBF16: {
-      const auto* p = static_cast<const uint16_t*>(src);
-      for (size_t i = 0; i < count; ++i) dst[i] = bf16_to_f32(p[i]);
+      const auto* p = static_cast<const unsigned char*>(src);
+      for (size_t i = 0; i < count; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, p + 2 * i, 2);
+        dst[i] = bf16_to_f32(bits);
+      }
       return;
     }
     case DType::kF16: {
-      const auto* p = static_cast<const uint16_t*>(src);
-      for (size_t i = 0; i < count; ++i) dst[i] = f16_to_f32(p[i]);
+      const auto* p = static_cast<const unsigned char*>(src);
+      for (size_t i = 0; i < count; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, p + 2 * i, 2);
+        dst[i] = f16_to_f32(bits);
+      }
       return;
     }
     case DType::kF8E4M3: {
