@@ -197,6 +197,10 @@ TEST(Fp8Weights, QuantizationConfigIsCheckedBeforeAnyWeight) {
        "key 'kv_cache_scheme' is not supported"},
       {{{"quant_method", "fp8"}, {"weight_block_size", {128}}}, ErrorKind::kConfig, "is not two integers"},
       {{{"weight_block_size", {128, 128}}}, ErrorKind::kConfig, "has no quant_method"},
+      {{{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}, {"scale_fmt", "e5m3"}}, ErrorKind::kUnsupported,
+       "scale_fmt 'e5m3' is not supported"},
+      {{{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}, {"modules_to_not_convert", "lm_head"}},
+       ErrorKind::kConfig, "modules_to_not_convert is not a list"},
       {"fp8", ErrorKind::kConfig, "is not an object"},
   };
   for (const Case& c : cases) {
