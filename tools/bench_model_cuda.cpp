@@ -152,7 +152,7 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
     const double touched = mc.moe.num_experts > 0 ? e * (1.0 - std::pow(1.0 - k / e, batch)) : 0.0;
     const double context = a.input_len + a.output_len / 2.0;
     const double own = std::ceil(static_cast<double>(batch) / a.dp);
-    *bytes = (rc.fixed + touched * rc.per_expert * moe_layers) * 2 + own * context * kv_token_bytes;
+    *bytes = rc.fixed_bytes + touched * rc.per_expert_bytes * moe_layers + own * context * kv_token_bytes;
     return *bytes / kCopyBytesPerS;
   };
   const double active = rc.fixed + k * rc.per_expert * moe_layers;
@@ -165,7 +165,7 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
     double touched = 0;
     for (int t : r.profile.experts_touched) touched += t;
     const double context = a.input_len + a.output_len;
-    *bytes = (rc.fixed + touched * rc.per_expert) * 2 + r.batch * context * kv_token_bytes;
+    *bytes = rc.fixed_bytes + touched * rc.per_expert_bytes + r.batch * context * kv_token_bytes;
     return *bytes / kCopyBytesPerS;
   };
   const cuda::MemoryReport mem = engine->memory();
@@ -176,6 +176,7 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   doc["random_weights"] = a.random_weights;
   doc["fused"] = !a.no_fuse;
   doc["parameters"] = parameter_count(mc);
+  doc["weight_format"] = mc.quant.weight_format().name();
   doc["device"] = device_name;
   doc["gpus"] = ranks;
   doc["tp"] = a.tp;

@@ -19,6 +19,7 @@
 #include "io/checkpoint.h"
 #include "text/tokenizer.h"
 #include "model/model.h"
+#include "model/step_reads.h"
 #include "moe/errors.h"
 #include "runtime/sampler.h"
 
@@ -261,18 +262,34 @@ int run_info(const Common& c) {
   std::string dtypes;
   int64_t stored_params = 0;  // weights, not the FP8 block scales beside them
   uint64_t scale_bytes = 0;
+  // What the GPU holds: FP8 matrices as stored with f32 scales, other matrices in bf16, vectors
+  // in f32. A gate or up half of a fused matrix whose rows are not whole blocks is held in bf16
+  // (the loader's rule); the multi-token-prediction layer is not loaded.
+  double gpu_bytes = 0;
   if (ckpt) {
     std::map<std::string, uint64_t> by_dtype;
+    const std::string mtp = fmt::format("model.layers.{}.", mc.num_layers);
     for (const auto& name : ckpt->names()) {
       const TensorInfo& t = ckpt->info(name);
+      int64_t n = 1;
+      for (int64_t d : t.shape) n *= d;
+      const bool loaded = mc.num_nextn_predict_layers == 0 || !name.starts_with(mtp);
       if (name.ends_with("_scale_inv")) {
         scale_bytes += t.end - t.begin;
+        if (loaded) gpu_bytes += n * 4.0;
         continue;
       }
       by_dtype[dtype_name(t.dtype)] += t.end - t.begin;
-      int64_t n = 1;
-      for (int64_t d : t.shape) n *= d;
       stored_params += n;
+      if (!loaded) continue;
+      const bool fused_half = name.ends_with(mc.moe.names.gate + ".weight") || name.ends_with(mc.moe.names.up + ".weight") ||
+                              name.ends_with("gate_proj.weight") || name.ends_with("up_proj.weight");
+      if (t.shape.size() < 2)
+        gpu_bytes += n * 4.0;
+      else if (t.dtype == DType::kF8E4M3 && !(fused_half && t.shape[0] % mc.quant.block_rows != 0))
+        gpu_bytes += static_cast<double>(n);
+      else
+        gpu_bytes += n * 2.0;
     }
     if (scale_bytes > 0) by_dtype["block scales"] += scale_bytes;
     for (const auto& [d, b] : by_dtype)
@@ -318,13 +335,22 @@ int run_info(const Common& c) {
   if (ckpt) {
     std::printf("parameters: %lld in the checkpoint (%.3f B), %lld implied by the config\n",
                 (long long)stored_params, stored_params / 1e9, (long long)params);
-    std::printf("bytes: %.3f GB on disk (%s); resident: %.3f GB as f32 on the CPU, %.3f GB as bf16 on the GPU%s\n",
-                ckpt->total_bytes() / 1e9, dtypes.c_str(), params * 4.0 / 1e9, params * 2.0 / 1e9,
-                mc.quant.fp8 ? " (FP8 weights dequantized: the GPU's FP8 kernels are not built yet)" : "");
+    std::printf("bytes: %.3f GB on disk (%s); resident: %.3f GB as f32 on the CPU, %.3f GB on the GPU (%s)\n",
+                ckpt->total_bytes() / 1e9, dtypes.c_str(), params * 4.0 / 1e9, gpu_bytes / 1e9,
+                mc.quant.fp8 ? "FP8 matrices as stored, the rest bf16" : "bf16");
   } else {
     std::printf("parameters: %lld implied by the config (%.3f B); no weights in the directory "
                 "(use --random-weights)\n", (long long)params, params / 1e9);
-    std::printf("bytes: %.3f GB as bf16, %.3f GB as f32\n", params * 2.0 / 1e9, params * 4.0 / 1e9);
+    if (mc.quant.fp8) {
+      // The published layout's FP8 matrices (model/step_reads.h) and the 16-bit rest.
+      const StepReads r = step_reads(mc);
+      const double embed = mc.tie_word_embeddings ? 0.0 : 2.0 * static_cast<double>(mc.vocab_size * mc.hidden_size);
+      const double fp8 = r.fixed_bytes + r.per_expert_bytes * static_cast<double>(mc.moe.num_experts * sparse) + embed;
+      std::printf("bytes: %.3f GB of matrices on the GPU in the config's FP8 layout, %.3f GB as bf16, %.3f GB as f32\n",
+                  fp8 / 1e9, params * 2.0 / 1e9, params * 4.0 / 1e9);
+    } else {
+      std::printf("bytes: %.3f GB as bf16, %.3f GB as f32\n", params * 2.0 / 1e9, params * 4.0 / 1e9);
+    }
   }
   return 0;
 }

@@ -85,6 +85,9 @@ struct EpLayerConfig {
   // Measurement only: forward() runs the exchanges but not the experts (their output rows keep
   // whatever they held), so that a benchmark can time dispatch and combine alone.
   bool exchange_only = false;
+  // The experts' weight format (Experts::workspace_bytes: FP8 ones need room for quantised
+  // activations).
+  WeightFormat expert_format = {};
   // Device buffers of workspace_bytes(config) bytes, 256-byte aligned, that the caller owns and
   // may share between layers whose calls are ordered on one stream (an engine's layers); null:
   // the layer allocates its own.

@@ -45,13 +45,18 @@ class Experts {
           int device = 0);
   // The same over matrices that carry their format (DeviceMatrix), gate_up shape.experts x
   // [2 * inter, hidden] and down shape.experts x [hidden, inter], contiguous: kInvalidArgument
-  // for other shapes, kUnsupported for a format the expert kernels do not read.
+  // for other shapes, kUnsupported for a format the expert kernels do not read. bf16, or FP8
+  // E4M3 in 128 x 128 blocks (inter a multiple of 128, hidden of 16): the GEMV path reads the
+  // codes, the GEMM path runs W8A8 (activations quantised per row and 128 columns on the fly);
+  // the wgmma path does not take FP8 yet.
   Experts(const DeviceMatrix& gate_up, const DeviceMatrix& down, ExpertShape shape, int64_t max_tokens,
           int device = 0);
 
   // Bytes of device workspace forward() needs for up to max_tokens (plan, activations, partial
   // sums); the caller allocates it, 256-byte aligned.
-  static size_t workspace_bytes(const ExpertShape& shape, int64_t max_tokens);
+  // `format`: the weights' (FP8 adds room for the quantised activations where the GEMM path can
+  // run).
+  static size_t workspace_bytes(const ExpertShape& shape, int64_t max_tokens, const WeightFormat& format = {});
 
   // y[M, H] (bf16 bits) = sum_j weights[t, j] * FFN_{ids[t, j]}(x[t]); all pointers on the device,
   // ids in [0, E) or -1 for a slot to leave out (an expert held by another rank: it adds nothing,
@@ -95,8 +100,9 @@ class Experts {
   ExpertPath path_for(int64_t tokens) const;
 
   const ExpertShape& shape() const { return shape_; }
+  const WeightFormat& format() const { return format_; }
   int64_t max_tokens() const { return max_tokens_; }
-  size_t weight_bytes() const;  // bf16 experts: E * 3 * H * I * 2
+  size_t weight_bytes() const;  // E * 3 * H * I values in the format, and the scales
 
  private:
   void run(const uint16_t* x, const int32_t* ids, const float* weights, int64_t tokens,
@@ -105,6 +111,9 @@ class Experts {
 
   const void* gate_up_;
   const void* down_;
+  WeightFormat format_;
+  const float* gate_up_scales_ = nullptr;  // FP8: per 128 x 128 block
+  const float* down_scales_ = nullptr;
   ExpertShape shape_;
   int64_t max_tokens_;
   int device_;

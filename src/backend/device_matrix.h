@@ -12,6 +12,10 @@
 
 namespace moe::cuda {
 
+// The block-scaled format the CUDA kernels read: FP8 E4M3 codes, one f32 scale per 128 x 128
+// block (DeepSeek-V3's and Qwen3-FP8's layout).
+inline constexpr WeightFormat kFp8Blocks{DType::kF8E4M3, 128, 128};
+
 struct DeviceMatrix {
   const void* data = nullptr;
   WeightFormat format;
@@ -21,7 +25,7 @@ struct DeviceMatrix {
 
   explicit operator bool() const { return data != nullptr; }
 
-  // A bf16 matrix (the only format the kernels read so far).
+  // A bf16 matrix.
   static DeviceMatrix bf16(const void* data, int64_t rows, int64_t cols, int64_t count = 1, int64_t stride = 0) {
     DeviceMatrix m;
     m.data = data;

@@ -121,9 +121,60 @@ WeightLoader WeightLoader::recording(Arena& arena) {
   return loader;
 }
 
-Tensor WeightLoader::allocate(const std::vector<int64_t>& shape) {
+Tensor WeightLoader::allocate(const std::vector<int64_t>& shape, const std::vector<Part>& parts) {
   if (recording_) return Tensor();
-  return Tensor::empty(arena_, shape, DType::kF32);
+  Tensor t = Tensor::empty(arena_, shape, DType::kF32);
+  if (sink_ && shape.size() >= 2) {
+    const WeightFormat format = format_for(shape, parts);
+    float* begin = t.data<float>();
+    sink_->place(begin, shape, format);
+    if (format.scaled()) fp8_destinations_[begin] = begin + t.numel();
+  }
+  return t;
+}
+
+namespace {
+// A module that a published FP8 checkpoint keeps in 16 bits whatever its config lists: the
+// embedding, the output head and the routers (not linear layers in the reference code).
+bool kept_in_16_bits(const std::string& module) {
+  for (const char* end : {"embed_tokens", "lm_head", ".gate", "shared_expert_gate"})
+    if (module.ends_with(end)) return true;
+  return false;
+}
+}  // namespace
+
+bool WeightLoader::is_fp8_part(const std::string& name) const {
+  if (ckpt_) {
+    if (!ckpt_->contains(name)) return false;
+    const DType d = ckpt_->info(name).dtype;
+    return d == DType::kF8E4M3 || d == DType::kF8E5M2;  // E5M2 is refused by name when read
+  }
+  // Random weights in an FP8 layout: what a published checkpoint of the config would hold.
+  if (!name.ends_with(".weight")) return false;
+  const std::string module = name.substr(0, name.size() - 7);
+  if (kept_in_16_bits(module)) return false;
+  for (const std::string& kept : fp8_not_converted_)
+    if (module == kept) return false;
+  return true;
+}
+
+WeightFormat WeightLoader::format_for(const std::vector<int64_t>& shape, const std::vector<Part>& parts) const {
+  if (!sink_ || !sink_->keeps_fp8_blocks() || fp8_rows_ == 0 || shape.size() < 2 || parts.empty()) return {};
+  const int64_t rows = shape[shape.size() - 2];
+  int64_t at = 0;
+  for (const Part& p : parts) {
+    // A part that is not FP8, or that starts inside a block, leaves the whole destination in bf16.
+    if (!is_fp8_part(p.name) || (at % rows) % fp8_rows_ != 0) return {};
+    at += p.rows;
+  }
+  return WeightFormat{DType::kF8E4M3, fp8_rows_, fp8_cols_};
+}
+
+bool WeightLoader::in_fp8_destination(const float* dst) const {
+  auto it = fp8_destinations_.upper_bound(dst);
+  if (it == fp8_destinations_.begin()) return false;
+  --it;
+  return dst >= it->first && dst < it->second;
 }
 
 namespace {
@@ -205,12 +256,18 @@ void WeightLoader::take_into(const std::string& name, const std::vector<int64_t>
       convert_to_f32(src + at * dtype_size(info->dtype), info->dtype, out, n);
   };
   const bool host_copy = !sink_ || shape.size() <= 1;
-  if (host_copy) {
+  const bool keep_blocks = !host_copy && in_fp8_destination(dst);
+  if (keep_blocks && ckpt_) {
+    MOE_CHECK(fp8.has_value(), kInternal, "tensor '{}' is not FP8 but was placed in an FP8 destination", name);
+    sink_->write_blocks(dst, fp8->piece());
+  } else if (keep_blocks) {
+    MOE_CHECK(sink_->fill_random(dst, count, random_state(name, seed_)), kInternal,
+              "the weight sink cannot draw FP8 tensor '{}'", name);
+  } else if (host_copy) {
     if (ckpt_)
       convert(0, count, dst);
     else
       fill_random(name, seed_, dst, count);
-    if (sink_) sink_->write(dst, dst, count);
   } else if (ckpt_) {
     // Through a bounded scratch buffer, so that the host never holds the whole f32 tensor.
     std::vector<float> scratch(std::min(count, kSinkChunk));
@@ -249,7 +306,7 @@ Tensor WeightLoader::take(const std::string& name, const std::vector<int64_t>& s
     take_into(name, shape, nullptr);
     return Tensor();
   }
-  Tensor out = Tensor::empty(arena_, shape, DType::kF32);
+  Tensor out = allocate(shape, {{name, shape.size() >= 2 ? shape[shape.size() - 2] : 0}});
   take_into(name, shape, out.data<float>());
   return out;
 }

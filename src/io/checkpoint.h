@@ -13,6 +13,7 @@
 
 #include "core/arena.h"
 #include "io/safetensors.h"
+#include "moe/weight_format.h"
 
 namespace moe {
 
@@ -36,14 +37,35 @@ class Checkpoint {
   std::map<std::string, std::pair<const SafetensorsFile*, const TensorInfo*>> where_;
 };
 
+// One FP8 checkpoint matrix as stored: codes [rows, cols] (E4M3, checked free of NaN) and its
+// f32 scales, one per block_rows x block_cols block, row-major, edge blocks partial.
+struct Fp8Piece {
+  const uint8_t* codes = nullptr;
+  int64_t rows = 0, cols = 0;
+  const float* scales = nullptr;
+  int64_t block_rows = 0, block_cols = 0;
+};
+
 // Receives weights as the loader converts them. With a sink the host arena only lays tensors
 // out (an address-space arena): values of tensors of rank >= 2 go to the sink alone, tensors of
-// rank 1 (norms, biases) are written to the host as well, being small and needed there as f32.
+// rank 1 (norms, biases) to the host alone, being small and needed there as f32.
 class WeightSink {
  public:
   virtual ~WeightSink() = default;
+  // Whether the sink keeps FP8 block-scaled weights as they are stored (write_blocks) rather
+  // than as values.
+  virtual bool keeps_fp8_blocks() const { return false; }
+  // A destination of rank >= 2 laid out at host address dst: what follows writes into it, in
+  // `format` (bf16: values through write() or fill_random(); FP8 blocks: write_blocks(), or
+  // fill_random() drawing codes and scales).
+  virtual void place(float* dst, const std::vector<int64_t>& shape, const WeightFormat& format) {
+    (void)dst, (void)shape, (void)format;
+  }
   // values[0, count) belong at host address dst .. dst + count.
   virtual void write(float* dst, const float* values, size_t count) = 0;
+  // The FP8 matrix `piece` belongs at host address dst (whole rows of a placed FP8 destination,
+  // starting on a block boundary).
+  virtual void write_blocks(float* dst, const Fp8Piece& piece) { (void)dst, (void)piece; }
   // Draws the random tensor at dst where the sink keeps it, with the loader's stream started
   // from `state` (see WeightLoader: pair i of values comes from splitmix64 step i + 1).
   // false: the sink cannot; the loader draws on the host and calls write().
@@ -66,8 +88,16 @@ class WeightLoader {
   // undefined). Lists what a configuration implies without holding its weights.
   static WeightLoader recording(Arena& arena);
 
-  // Memory for a tensor the caller fills through take_into (undefined when recording).
-  Tensor allocate(const std::vector<int64_t>& shape);
+  // One checkpoint tensor that take_into will write into an allocation: its name and rows.
+  struct Part {
+    std::string name;
+    int64_t rows = 0;
+  };
+  // Memory for a tensor the caller fills through take_into (undefined when recording), from
+  // `parts` in order (their rows stacked, repeating over the leading dimension of a 3-D shape).
+  // With a sink that keeps FP8 blocks, the destination is FP8 when every part is and each part
+  // starts on a block row; otherwise its FP8 parts are dequantised (to bf16 on the sink's side).
+  Tensor allocate(const std::vector<int64_t>& shape, const std::vector<Part>& parts = {});
   // Every (name, shape) taken so far, in the order taken.
   const std::vector<std::pair<std::string, std::vector<int64_t>>>& taken() const { return order_; }
 
@@ -112,6 +142,12 @@ class WeightLoader {
   int64_t fp8_rows_ = 0, fp8_cols_ = 0;
   std::vector<std::string> fp8_not_converted_;
   int64_t fp8_tensors_ = 0;
+  // Destinations placed in FP8 on the sink, by start: their end.
+  std::map<const float*, const float*> fp8_destinations_;
+
+  bool is_fp8_part(const std::string& name) const;
+  WeightFormat format_for(const std::vector<int64_t>& shape, const std::vector<Part>& parts) const;
+  bool in_fp8_destination(const float* dst) const;
 };
 
 }  // namespace moe

@@ -36,7 +36,7 @@ Fp8Tensor::Fp8Tensor(const Checkpoint& ckpt, const std::string& name, int64_t bl
   scale_name_ = name + "_scale_inv";
   MOE_CHECK(ckpt.contains(scale_name_), kFormat, "FP8 tensor '{}' has no scale tensor '{}'", name, scale_name_);
   const TensorInfo& scale = ckpt.info(scale_name_);
-  const int64_t rows = info.shape[0];
+  const int64_t rows = rows_ = info.shape[0];
   cols_ = info.shape[1];
   scale_cols_ = blocks(cols_, block_cols);
   const std::vector<int64_t> want{blocks(rows, block_rows), scale_cols_};
@@ -54,6 +54,14 @@ Fp8Tensor::Fp8Tensor(const Checkpoint& ckpt, const std::string& name, int64_t bl
   }
   scale_bytes_ = scale.end - scale.begin;
   codes_ = static_cast<const uint8_t*>(ckpt.data(name));
+}
+
+Fp8Piece Fp8Tensor::piece() const {
+  const size_t count = static_cast<size_t>(rows_ * cols_);
+  for (size_t e = 0; e < count; ++e)
+    MOE_CHECK(!is_nan_code(codes_[e]), kFormat, "FP8 tensor '{}' holds NaN at [{}, {}]", name_,
+              e / static_cast<size_t>(cols_), e % static_cast<size_t>(cols_));
+  return Fp8Piece{codes_, rows_, cols_, scales_.data(), block_rows_, block_cols_};
 }
 
 void Fp8Tensor::dequantize(size_t at, size_t count, float* out) const {

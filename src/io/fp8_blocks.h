@@ -26,11 +26,14 @@ class Fp8Tensor {
   uint64_t scale_bytes() const { return scale_bytes_; }
   // Elements [at, at + count) of the matrix in row-major order, dequantised into out.
   void dequantize(size_t at, size_t count, float* out) const;
+  // The codes and scales as stored, for a sink that keeps them (the codes checked free of NaN;
+  // valid while the checkpoint and this object live).
+  Fp8Piece piece() const;
 
  private:
   std::string name_, scale_name_;
   const uint8_t* codes_ = nullptr;
-  int64_t cols_ = 0, block_rows_ = 0, block_cols_ = 0, scale_cols_ = 0;
+  int64_t rows_ = 0, cols_ = 0, block_rows_ = 0, block_cols_ = 0, scale_cols_ = 0;
   std::vector<float> scales_;
   uint64_t scale_bytes_ = 0;
 };

@@ -29,17 +29,23 @@ StepReads step_reads(const ModelConfig& c, int tp, int ep) {
     r.kv_token_bytes = layers * 2 * kv_heads * hd * 2;
     r.attention_width = layers * heads * hd;
   }
+  const double quantized = c.quant.fp8 ? 1.0 + 4.0 / static_cast<double>(c.quant.block_rows * c.quant.block_cols) : 2.0;
+  double kept = 0, converted = 0;  // parameters kept in 16 bits, and in the weights' format
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    r.fixed += attn;
+    converted += attn;
     if (c.moe_layers[static_cast<size_t>(l)]) {
-      r.fixed += h * static_cast<double>(c.moe.num_experts) + 3 * h * static_cast<double>(c.moe.shared_intermediate);
-      if (c.moe.shared_gate) r.fixed += h;
+      kept += h * static_cast<double>(c.moe.num_experts);
+      converted += 3 * h * static_cast<double>(c.moe.shared_intermediate);
+      if (c.moe.shared_gate) kept += h;
     } else {
-      r.fixed += 3 * h * static_cast<double>(c.intermediate_size);
+      converted += 3 * h * static_cast<double>(c.intermediate_size);
     }
   }
-  r.fixed += h * static_cast<double>(c.vocab_size);  // lm_head (the embedding itself when tied)
+  kept += h * static_cast<double>(c.vocab_size);  // lm_head (the embedding itself when tied)
+  r.fixed = kept + converted;
+  r.fixed_bytes = kept * 2 + converted * quantized;
   r.per_expert = 3 * h * static_cast<double>(c.moe.intermediate_size) / ep;
+  r.per_expert_bytes = r.per_expert * quantized;
   return r;
 }
 

@@ -16,6 +16,10 @@ struct StepReads {
   // One routed expert's parameters in one layer, over ep: each GPU holds 1/ep of the experts,
   // and under uniform routing a batch's tokens split evenly over them.
   double per_expert = 0;
+  // The same two in bytes, by the weights' format: 2 a parameter in bf16; in an FP8 config 1 (and
+  // its block scales) for the matrices a published FP8 checkpoint stores in FP8, 2 for those it
+  // keeps in 16 bits (routers, the shared-expert gate, lm_head).
+  double fixed_bytes = 0, per_expert_bytes = 0;
   // KV cache bytes (bf16) per token of context over all layers: the GPU's key/value heads, or
   // the latent row, which every GPU keeps whole.
   double kv_token_bytes = 0;

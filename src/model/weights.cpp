@@ -17,11 +17,17 @@ void take_ffn(WeightLoader& loader, const std::string& prefix, const MoeNames& n
   loader.take_into(prefix + n.down + ".weight", {hidden, inter}, down);
 }
 
+// The checkpoint tensors behind a fused gate_up and a down, in the order take_ffn writes them.
+std::vector<WeightLoader::Part> gate_up_parts(const std::string& prefix, const MoeNames& n, int64_t inter) {
+  return {{prefix + n.gate + ".weight", inter}, {prefix + n.up + ".weight", inter}};
+}
+
 FfnWeights load_ffn(WeightLoader& loader, const std::string& prefix, int64_t hidden, int64_t inter) {
   FfnWeights w;
-  w.gate_up = loader.allocate({2 * inter, hidden});
-  w.down = loader.allocate({hidden, inter});
-  take_ffn(loader, prefix, MoeNames{}, w.gate_up.data<float>(), w.down.data<float>(), hidden, inter);
+  const MoeNames names;
+  w.gate_up = loader.allocate({2 * inter, hidden}, gate_up_parts(prefix, names, inter));
+  w.down = loader.allocate({hidden, inter}, {{prefix + names.down + ".weight", hidden}});
+  take_ffn(loader, prefix, names, w.gate_up.data<float>(), w.down.data<float>(), hidden, inter);
   return w;
 }
 
@@ -80,8 +86,15 @@ void load_moe(const ModelConfig& mc, WeightLoader& loader, const std::string& p,
   x.num_local = held;
   x.hidden = h;
   x.inter = inter;
-  x.gate_up = loader.allocate({held, 2 * inter, h});
-  x.down = loader.allocate({held, h, inter});
+  std::vector<WeightLoader::Part> gate_up, down;
+  for (int64_t e = 0; e < c.num_experts; ++e) {
+    if (!sel.holds(e)) continue;
+    const std::string expert = fmt::format("{}experts.{}.", block, e);
+    for (auto& part : gate_up_parts(expert, n, inter)) gate_up.push_back(std::move(part));
+    down.push_back({expert + n.down + ".weight", h});
+  }
+  x.gate_up = loader.allocate({held, 2 * inter, h}, gate_up);
+  x.down = loader.allocate({held, h, inter}, down);
   int64_t local = 0;
   for (int64_t e = 0; e < c.num_experts; ++e) {
     if (!sel.holds(e)) {  // another rank's expert: neither read nor reported as unexpected

@@ -26,6 +26,13 @@ namespace {
 // bits, so logits carry errors of a few 2^-8 of their scale. Bound: 4% of the largest
 // reference logit magnitude (and at least 2e-3), measured ~1-2% on the fixtures.
 double logit_bound(double scale) { return std::max(0.04 * scale, 2e-3); }
+// FP8 fixtures: an expert GEMM past the GEMV (a prefill of more routed rows than it takes) is
+// W8A8, its activations rounded to E4M3's 4 significant bits per row and 128 columns, so the
+// logits carry errors of a few 2^-4 of their scale there: measured 4.7% (qwen3_moe_fp8, 24
+// tokens; H100); bound 10%.
+double logit_bound(double scale, const std::string& fixture) {
+  return load_model_config(test::fixture_dir(fixture)).quant.fp8 ? std::max(0.10 * scale, 2e-3) : logit_bound(scale);
+}
 
 using test::fixture_dir;
 using test::reference;
@@ -134,7 +141,7 @@ TEST_P(CudaFixtureTest, LogitsMatchTransformersWithinBf16Bound) {
                 "rows before the first routing divergence (position %zu of %zu; %zu of %zu decisions "
                 "agree); %.3g after it\n", GetParam().c_str(), i, worst, 100 * worst / scale, scale,
                 std::min(ra.first_divergence, ids.size()), ids.size(), ra.agreeing, ra.decisions, worst_after);
-    EXPECT_LE(worst, logit_bound(scale)) << GetParam() << " input " << i;
+    EXPECT_LE(worst, logit_bound(scale, GetParam())) << GetParam() << " input " << i;
   }
   if (decisions > 0) {
     EXPECT_GE(static_cast<double>(agreeing) / static_cast<double>(decisions), kMinRoutingAgreement)

@@ -57,6 +57,31 @@ TEST(StepReads, EveryExpertTouchedReadsEveryMatrixButTheEmbedding) {
   EXPECT_GE(checked, 20u);
 }
 
+// Bytes: 2 a parameter in bf16; in an FP8 config the routers, the shared-expert gate and lm_head
+// stay 16-bit and every other matrix read is one byte plus a 4-byte scale per 128 x 128 block.
+TEST(StepReads, BytesFollowTheWeightFormat) {
+  size_t fp8 = 0;
+  for (const std::string& dir : model_dirs()) {
+    const ModelConfig mc = load_model_config(dir);
+    const StepReads r = step_reads(mc);
+    if (!mc.quant.fp8) {
+      EXPECT_EQ(r.fixed_bytes, 2 * r.fixed) << dir;
+      EXPECT_EQ(r.per_expert_bytes, 2 * r.per_expert) << dir;
+      continue;
+    }
+    ++fp8;
+    auto sixteen_bit = [&](const std::string& name) {
+      return name == "lm_head.weight" || (mc.tie_word_embeddings && name == "model.embed_tokens.weight") ||
+             name.ends_with("mlp.gate.weight") || contains(name, "shared_expert_gate");
+    };
+    const double kept = matrix_parameters(mc, sixteen_bit);
+    const double code = 1.0 + 4.0 / (128.0 * 128.0);
+    EXPECT_DOUBLE_EQ(r.fixed_bytes, 2 * kept + code * (r.fixed - kept)) << dir;
+    EXPECT_DOUBLE_EQ(r.per_expert_bytes, code * r.per_expert) << dir;
+  }
+  EXPECT_GE(fp8, 3u);  // the FP8 presets and fixtures
+}
+
 TEST(StepReads, TensorParallelHalvesTheSplitProjectionsOnly) {
   for (const std::string& dir : model_dirs()) {
     const ModelConfig mc = load_model_config(dir);

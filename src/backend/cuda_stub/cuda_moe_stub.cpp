@@ -20,7 +20,7 @@ Experts::Experts(const void*, const void*, ExpertShape shape, int64_t max_tokens
     : gate_up_(nullptr), down_(nullptr), shape_(shape), max_tokens_(max_tokens), device_(device) {
   not_built();
 }
-size_t Experts::workspace_bytes(const ExpertShape&, int64_t) { not_built(); }
+size_t Experts::workspace_bytes(const ExpertShape&, int64_t, const WeightFormat&) { not_built(); }
 void Experts::forward(const uint16_t*, const int32_t*, const float*, int64_t, uint16_t*, void*,
                       void*, ExpertPath) const {}
 void Experts::forward_then_norm(const uint16_t*, const int32_t*, const float*, int64_t,

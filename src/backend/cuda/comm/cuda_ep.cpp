@@ -223,7 +223,7 @@ void layout(EpExperts::State& s, Carver& v) {
   const size_t t = static_cast<size_t>(c.own_tokens ? c.ranks * c.max_tokens : c.max_tokens);
   const size_t r = static_cast<size_t>(rows);
   const size_t n = static_cast<size_t>(c.ranks), cap = static_cast<size_t>(s.cap);
-  s.ws = v.take<unsigned char>(Experts::workspace_bytes(shape, rows));
+  s.ws = v.take<unsigned char>(Experts::workspace_bytes(shape, rows, c.expert_format));
   s.y = v.take<uint16_t>(r * h);
   switch (c.backend) {
     case dist::EpBackend::kLocalAllreduce:
@@ -296,6 +296,9 @@ EpExperts::EpExperts(const EpLayerConfig& config, const DeviceMatrix& gate_up, c
               kInvalidArgument, "EP backend '{}' needs rank {}'s endpoint of a group of {}",
               dist::ep_backend_name(kind), c.rank, c.ranks);
   }
+  MOE_CHECK(gate_up.format == c.expert_format, kInvalidArgument,
+            "the experts are {} but the layer was configured for {} ones", gate_up.format.name(),
+            c.expert_format.name());
   s.comm = comm;
   s.placement = std::make_unique<ExpertPlacement>(c.experts, c.ranks, c.rank);
   s.routing.top_k = static_cast<int>(c.top_k);

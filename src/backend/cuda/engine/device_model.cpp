@@ -6,7 +6,9 @@
 #include <cstdio>
 #include <cstring>
 
+#include "backend/cuda/engine/weight_store.h"
 #include "backend/cuda/ops/fill_launch.h"
+#include "backend/cuda/ops/fp8_blocks_launch.h"
 #include "backend/cuda/attention/latent_attention_launch.h"
 #include "core/arena.h"
 #include "io/checkpoint.h"
@@ -18,40 +20,22 @@
 namespace moe::cuda {
 namespace {
 
-// Takes the loader's values and keeps them as bf16 at the same element offset in `mirror`; the
-// host arena they were meant for is address space only.
-class MirrorSink : public WeightSink {
- public:
-  MirrorSink(const Arena& host, DeviceArena& mirror) : host_(host), mirror_(mirror) {
-    MOE_CUDA_CHECK(cudaMallocHost(&staging_, kStaging * 2));
-  }
-  ~MirrorSink() override { cudaFreeHost(staging_); }
+// The FP8 matrices a consumer reads only as bf16 (the embedding lookup, the router, the latent
+// attention's absorbed per-head products, the slices of a tensor-parallel split): their bytes.
+size_t widened_bytes(const DeviceMatrix& m) {
+  return m && m.format.scaled() ? static_cast<size_t>(m.count * m.rows * m.cols) * 2 + 256 : 0;
+}
 
-  void write(float* dst, const float* values, size_t count) override {
-    uint16_t* out = at(dst, count);
-    for (size_t done = 0; done < count; done += kStaging) {
-      const size_t n = std::min(kStaging, count - done);
-      for (size_t i = 0; i < n; ++i) staging_[i] = f32_to_bf16(values[done + i]);
-      MOE_CUDA_CHECK(cudaMemcpy(out + done, staging_, n * 2, cudaMemcpyHostToDevice));
-    }
-  }
-  bool fill_random(float* dst, size_t count, uint64_t state) override {
-    MOE_CUDA_CHECK(kernels::fill_random_bf16(at(dst, count), count, state, nullptr));
-    return true;
-  }
-
- private:
-  static constexpr size_t kStaging = size_t(1) << 22;
-  uint16_t* at(const float* dst, size_t count) {
-    const size_t element = host_.offset_of(dst) / 4;
-    MOE_CHECK((element + count) * 2 <= mirror_.capacity(), kInternal,
-              "weight mirror overflow at element {}", element);
-    return static_cast<uint16_t*>(mirror_.base()) + element;
-  }
-  const Arena& host_;
-  DeviceArena& mirror_;
-  uint16_t* staging_ = nullptr;
-};
+// Whether b starts where a ends, in one format (scales too), so that one projection can run both.
+bool adjacent(const DeviceMatrix& a, const DeviceMatrix& b) {
+  if (!a || !b || a.format != b.format || a.cols != b.cols || a.count != 1 || b.count != 1) return false;
+  const WeightFormat& f = a.format;
+  if (b.data != static_cast<const char*>(a.data) + a.rows * a.cols * static_cast<int64_t>(dtype_size(f.dtype)))
+    return false;
+  if (!f.scaled()) return true;
+  const int64_t scale_cols = (a.cols + f.block_cols - 1) / f.block_cols;
+  return a.rows % f.block_rows == 0 && b.scales == a.scales + a.rows / f.block_rows * scale_cols;
+}
 
 }  // namespace
 
@@ -125,19 +109,19 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
   }
   auto layout = Arena::address_space("weight layout", host_bytes);
   auto model = std::make_unique<DeviceModel>();
-  model->mirror = DeviceArena("weights", host_bytes / 2 + 256);
-  MirrorSink sink(*layout, model->mirror);
+  model->store = std::make_unique<WeightStore>(mc.quant.fp8, host_bytes / 2);
+  WeightStore& store = *model->store;
 
   ModelWeights w;
   if (opts.random_weights) {
     WeightLoader loader(*layout, opts.seed);
-    loader.set_sink(&sink);
+    loader.set_sink(&store);
+    if (mc.quant.fp8) loader.set_fp8_blocks(mc.quant.block_rows, mc.quant.block_cols, mc.quant.modules_to_not_convert);
     w = load_weights(mc, loader, selection);
-    if (opts.rank == 0) note_random_fp8(mc, "bf16");
   } else {
     Checkpoint ckpt(dir);
     WeightLoader loader(ckpt, *layout, opts.strict);
-    loader.set_sink(&sink);
+    loader.set_sink(&store);
     if (mc.quant.fp8) loader.set_fp8_blocks(mc.quant.block_rows, mc.quant.block_cols, mc.quant.modules_to_not_convert);
     const bool draw = opts.progress && isatty(STDERR_FILENO) && ckpt.total_bytes() >= (64u << 20);
     int last = -1;
@@ -154,14 +138,15 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     loader.finish();
     check_fp8_found(mc, loader, dir);
     if (draw) std::fprintf(stderr, "\n");
-    if (mc.quant.fp8 && opts.rank == 0)
+    const int64_t widened = loader.fp8_tensors() - store.fp8_pieces();
+    if (widened > 0 && opts.rank == 0)
       std::fprintf(stderr,
-                   "note: %lld FP8 weights are dequantized exactly and held as bf16 on the GPU (its FP8 kernels "
-                   "are not built yet): twice their bytes on disk\n",
-                   static_cast<long long>(loader.fp8_tensors()));
+                   "note: %lld FP8 weights are held as bf16 on the GPU: fused with a part that is not FP8 or "
+                   "that starts inside a %lld-row block\n",
+                   static_cast<long long>(widened), static_cast<long long>(mc.quant.block_rows));
     if (opts.rank == 0) note_skipped_mtp(mc, w);
   }
-  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  store.finish();
 
   // Rank-1 tensors as f32: each was written to the host layout as well.
   size_t small_bytes = 4096 + static_cast<size_t>(mc.head_dim) * 2;
@@ -178,17 +163,29 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
   auto f32 = [&](const Tensor& t) -> const float* {
     return t.defined() ? upload_f32(t.data<float>(), static_cast<size_t>(t.numel())) : nullptr;
   };
-  auto bf16 = [&](const Tensor& t) -> const uint16_t* {
-    if (!t.defined()) return nullptr;
-    return static_cast<const uint16_t*>(model->mirror.base()) + layout->offset_of(t.data<float>()) / 4;
-  };
   // A loaded matrix as the kernels take it: [rows, cols], or count x [rows, cols] for a 3-D
-  // tensor (a layer's experts); empty for a tensor the model does not have.
-  auto matrix = [&](const Tensor& t) -> DeviceMatrix {
-    if (!t.defined()) return {};
-    if (t.ndim() == 3) return DeviceMatrix::bf16(bf16(t), t.dim(1), t.dim(2), t.dim(0));
-    return DeviceMatrix::bf16(bf16(t), t.dim(0), t.numel() / t.dim(0));
+  // tensor (a layer's experts), in its format; empty for a tensor the model does not have.
+  auto matrix = [&](const Tensor& t) -> DeviceMatrix { return store.matrix(t); };
+  // The same in bf16, for consumers that read nothing else: FP8 ones widened into `widened`.
+  auto as_bf16 = [&](const DeviceMatrix& m) -> DeviceMatrix {
+    if (!m || !m.format.scaled()) return m;
+    uint16_t* out = model->widened.take_n<uint16_t>(static_cast<size_t>(m.count * m.rows * m.cols));
+    MOE_CUDA_CHECK(kernels::dequantize_fp8_blocks(static_cast<const uint8_t*>(m.data), m.scales, m.count, m.rows,
+                                                  m.cols, static_cast<int>(m.format.block_rows),
+                                                  static_cast<int>(m.format.block_cols), out, nullptr));
+    return DeviceMatrix::bf16(out, m.rows, m.cols, m.count);
   };
+  {
+    // Size `widened` for what as_bf16 will be given below.
+    size_t bytes = 256 + widened_bytes(matrix(w.embed));
+    for (const LayerWeights& lw : w.layers) {
+      bytes += widened_bytes(matrix(lw.attn.kv_b)) + widened_bytes(lw.sparse ? matrix(lw.moe.router) : DeviceMatrix{});
+      if (split_heads)
+        for (const Tensor* t : {&lw.attn.q, &lw.attn.k, &lw.attn.v, &lw.attn.o, &lw.attn.q_b})
+          bytes += widened_bytes(matrix(*t));
+    }
+    model->widened = DeviceArena("widened FP8 weights", bytes);
+  }
   // Columns [first, first + width) of a [hidden, columns] matrix (an output projection's share
   // under tp), as a dense [hidden, width] matrix in the derived arena.
   auto gather_columns = [&](const DeviceMatrix& m, int64_t first, int64_t width) -> DeviceMatrix {
@@ -217,7 +214,7 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
   model->kv_heads = kv_heads;
   model->first_expert = first_expert;
   model->local_experts = local_experts;
-  model->embed = matrix(w.embed);
+  model->embed = as_bf16(matrix(w.embed));
   model->lm_head = matrix(w.lm_head);
   model->final_norm = f32(w.final_norm);
   const RopeTable rope = mc.rope();  // the CPU engine's table (model/rope.h)
@@ -234,8 +231,13 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     d.k = matrix(a.k);
     d.v = matrix(a.v);
     d.o = matrix(a.o);
-    const auto* q_end = static_cast<const char*>(d.q.data) + a.q.numel() * 2;
-    d.qkv_fused = d.k && d.k.data == q_end && d.v.data == static_cast<const char*>(d.k.data) + a.k.numel() * 2;
+    if (split_heads) {  // sliced below, in bf16
+      d.q = as_bf16(d.q);
+      d.k = as_bf16(d.k);
+      d.v = as_bf16(d.v);
+      d.o = as_bf16(d.o);
+    }
+    d.qkv_fused = adjacent(d.q, d.k) && adjacent(d.k, d.v);
     if (d.qkv_fused) d.q.rows += d.k.rows + d.v.rows;  // one projection over the three
     const int64_t hd = mc.head_dim;
     if (split_heads && !mla) {
@@ -277,11 +279,11 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
       const int64_t qk = m.qk_head_dim(), kv_b_head = (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank;
       d.q_a = matrix(a.q_a);
       d.q_a_norm = f32(a.q_a_norm);
-      if (d.q_a) d.q_b = matrix(a.q_b).row_slice(q_first * qk, q_heads * qk);
+      if (d.q_a) d.q_b = (split_heads ? as_bf16(matrix(a.q_b)) : matrix(a.q_b)).row_slice(q_first * qk, q_heads * qk);
       else d.q = d.q.row_slice(q_first * qk, q_heads * qk);
       d.kv_a = matrix(a.kv_a);
       d.kv_a_norm = f32(a.kv_a_norm);
-      const uint16_t* kv_b = matrix(a.kv_b).bf16_data("latent attention") + q_first * kv_b_head;
+      const uint16_t* kv_b = as_bf16(matrix(a.kv_b)).bf16_data("latent attention") + q_first * kv_b_head;
       d.uv = DeviceMatrix::bf16(kv_b + m.qk_nope_head_dim * m.kv_lora_rank, m.v_head_dim, m.kv_lora_rank, q_heads,
                                 kv_b_head);
       uint16_t* uk_t = model->derived.take_n<uint16_t>(static_cast<size_t>(q_heads * m.kv_lora_rank * m.qk_nope_head_dim));
@@ -290,12 +292,12 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
                                                     static_cast<int>(m.v_head_dim),
                                                     static_cast<int>(m.kv_lora_rank), uk_t, nullptr));
       d.uk_t = DeviceMatrix::bf16(uk_t, m.kv_lora_rank, m.qk_nope_head_dim, q_heads);
-      if (split_heads) d.o = gather_columns(d.o, q_first * m.v_head_dim, q_heads * m.v_head_dim);
+      if (split_heads) d.o = gather_columns(as_bf16(d.o), q_first * m.v_head_dim, q_heads * m.v_head_dim);
     }
     d.sparse = lw.sparse;
     if (lw.sparse) {
       const MoeWeights& m = lw.moe;
-      d.router = matrix(m.router);
+      d.router = as_bf16(matrix(m.router));
       d.router_bias = f32(m.router_bias);
       ExpertShape shape{m.experts.num_local, m.experts.hidden, m.experts.inter, mc.moe.top_k};
       d.expert_gate_up = matrix(m.experts.gate_up);

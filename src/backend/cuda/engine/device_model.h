@@ -1,7 +1,8 @@
 // The model's weights on one device, in the layout the CUDA engine runs: matrices, each a
-// DeviceMatrix that carries its format (bf16 so far), at the offsets the host loader lays out (a
-// bf16 mirror of an address-space arena, so a 60 GB model never exists as f32 on the host), f32
-// norms and biases, the routed experts of each sparse layer behind cuda::Experts.
+// DeviceMatrix that carries its format (bf16, or FP8 codes with block scales), held by a
+// WeightStore that the host loader writes into (the host only lays tensors out, so a 60 GB model
+// never exists as f32 there), f32 norms and biases, the routed experts of each sparse layer
+// behind cuda::Experts.
 #pragma once
 
 #include <memory>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "backend/cuda/device_arena.h"
+#include "backend/cuda/engine/weight_store.h"
 #include "backend/device_matrix.h"
 #include "backend/cuda_moe.h"
 #include "model/config.h"
@@ -41,9 +43,10 @@ struct DeviceLayer {
 };
 
 struct DeviceModel {
-  DeviceArena mirror;   // bf16 matrices
+  std::unique_ptr<WeightStore> store;  // the matrices, each in its format
   DeviceArena small;    // f32 rank-1 tensors, rotary frequencies
   DeviceArena derived;  // weights rearranged at load (absorbed keys; a rank's attention slices)
+  DeviceArena widened;  // FP8 matrices read as bf16 by what reads nothing else
   DeviceMatrix embed, lm_head;
   const float* final_norm = nullptr;
   // This rank's share (all of it on one GPU): attention heads, and the block of routed experts
@@ -53,7 +56,7 @@ struct DeviceModel {
   const float* inv_freq = nullptr;
   float rope_cos_sin_scale = 1.0f;  // YaRN's attention factor on cos and sin
   std::vector<DeviceLayer> layers;
-  size_t bytes() const { return mirror.capacity() + small.capacity() + derived.capacity(); }
+  size_t bytes() const { return store->bytes() + small.capacity() + derived.capacity() + widened.capacity(); }
 };
 
 struct DeviceLoad {

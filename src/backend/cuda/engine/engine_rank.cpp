@@ -11,6 +11,7 @@
 #include "backend/cuda/attention/latent_attention_launch.h"
 #include "backend/cuda/ops/ops_launch.h"
 #include "backend/cuda/engine/projection.h"
+#include "backend/cuda/ops/gemv_launch.h"
 #include "backend/cuda/moe/router_params.h"
 #include "moe/errors.h"
 
@@ -48,13 +49,24 @@ void Rank::setup(const std::string& dir) {
   dl.tp = tp;
   model = load_device_model(dir, mc, dl);
   blas = std::make_unique<Blas>();
+  // Room to widen the largest FP8 dense matrix for steps past the GEMV (projection.cpp).
+  size_t widest = 0;
+  auto widens = [&](const DeviceMatrix& m) {
+    if (m && m.format.scaled()) widest = std::max(widest, static_cast<size_t>(m.rows * m.cols));
+  };
+  widens(model->lm_head);
+  for (const DeviceLayer& L : model->layers)
+    for (const DeviceMatrix* m : {&L.q, &L.k, &L.v, &L.o, &L.q_a, &L.q_b, &L.kv_a, &L.mlp_gate_up, &L.mlp_down,
+                                  &L.shared_gate_up, &L.shared_down, &L.shared_gate})
+      widens(*m);
+  if (widest > 0 && max_tokens > kernels::kGemvMaxRows) blas->reserve_widened(widest);
 
   if (exchanges) setup_exchange();
   Shapes shapes{max_tokens, logit_rows, 0, 0};
   for (const DeviceLayer& L : model->layers)
     if (L.experts && !exchanges)
       shapes.experts_ws = std::max<int64_t>(
-          shapes.experts_ws, static_cast<int64_t>(Experts::workspace_bytes(L.experts->shape(), max_tokens)));
+          shapes.experts_ws, static_cast<int64_t>(Experts::workspace_bytes(L.experts->shape(), max_tokens, L.experts->format())));
   shapes.attention_ws = static_cast<int64_t>(
       mc.attention == AttentionKind::kMla
           ? kernels::latent_attention_workspace_bytes(static_cast<int>(max_tokens), static_cast<int>(mc.num_heads),
@@ -94,6 +106,8 @@ void Rank::setup_exchange() {
   c.top_k = mc.moe.top_k;
   c.max_tokens = max_tokens;
   c.own_tokens = dp;
+  for (const DeviceLayer& L : model->layers)
+    if (L.sparse) c.expert_format = L.expert_gate_up.format;
   const size_t bytes = EpExperts::workspace_bytes(c);
   ep_arena = DeviceArena("expert-parallel exchange", bytes + 256);
   c.workspace = ep_arena.take<unsigned char>(bytes);

@@ -1,7 +1,9 @@
 // Dense projections by weight format: the one place a projection's kernel is chosen from its
 // weight's format (backend/device_matrix.h). bf16 weights run through Blas (the weight-streaming
-// GEMV for a few rows, cuBLASLt otherwise); a format without kernels is refused with one line
-// naming it. A new format adds its case here and its kernels, not a new signature for callers.
+// GEMV for a few rows, cuBLASLt otherwise); FP8 blocks through the same GEMV reading the codes
+// for a few rows, else widened to bf16 into Blas's reserved room first; a format without kernels
+// is refused with one line naming it. A new format adds its case here and its kernels, not a new
+// signature for callers.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -18,10 +18,21 @@ namespace {
 // The workspace, carved in one order by both workspace_bytes() and forward().
 struct Layout {
   size_t offsets = 0, order = 0, active = 0, num_active = 0, tile_expert = 0, tile_row = 0,
-         num_tiles = 0, plan_counts = 0, act = 0, part = 0, total = 0;
+         num_tiles = 0, plan_counts = 0, act = 0, part = 0, x_fp8 = 0, x_scales = 0, act_fp8 = 0,
+         act_scales = 0, total = 0;
 };
 
-Layout layout(const ExpertShape& s, int64_t max_tokens) {
+// Whether FP8 experts can take the GEMM path (W8A8 on mma.sync) for some token count up to
+// max_tokens: the GEMV path takes the rest.
+bool fp8_gemm_reachable(const ExpertShape& s, int64_t max_tokens) {
+  if (!h::gemm_supports(s.hidden, s.inter)) return false;
+  if (!h::gemv_supports(s.hidden, s.inter)) return true;
+  return !h::prefer_gemv(max_tokens, s.top_k, s.experts) || max_tokens > h::kGemvMaxTokensBesideGemm;
+}
+
+int64_t scale_cols(int64_t width) { return (width + 127) / 128; }
+
+Layout layout(const ExpertShape& s, int64_t max_tokens, const WeightFormat& format) {
   const bool gemv = h::gemv_supports(s.hidden, s.inter), gemm = h::gemm_supports(s.hidden, s.inter);
   const size_t slots = static_cast<size_t>(max_tokens * s.top_k);
   // Row tiles: the smallest tile gives the most.
@@ -61,6 +72,13 @@ Layout layout(const ExpertShape& s, int64_t max_tokens) {
   l.plan_counts = take(static_cast<size_t>(kernels::kMaxPlanBlocks) * s.experts * 4);
   l.act = take(slots * s.inter * 2);
   l.part = take(part);
+  // FP8 experts on the GEMM path: x and act quantised per row and 128 columns.
+  if (format.scaled() && fp8_gemm_reachable(s, max_tokens)) {
+    l.x_fp8 = take(static_cast<size_t>(max_tokens * s.hidden));
+    l.x_scales = take(static_cast<size_t>(max_tokens * scale_cols(s.hidden)) * 4);
+    l.act_fp8 = take(slots * s.inter);
+    l.act_scales = take(slots * static_cast<size_t>(scale_cols(s.inter)) * 4);
+  }
   l.total = at;
   return l;
 }
@@ -105,11 +123,13 @@ bool experts_support(const ExpertShape& s, ExpertPath path) {
 
 namespace {
 
-// A layer's expert matrices as the kernels read them: count x [rows, cols] contiguous, bf16.
+// A layer's expert matrices as the kernels read them: count x [rows, cols] contiguous, bf16 or
+// FP8 in 128 x 128 blocks.
 const void* expert_matrices(const DeviceMatrix& m, int64_t rows, int64_t cols, int64_t count, const char* what) {
   MOE_CHECK(m.count == count && m.rows == rows && m.cols == cols && m.matrix_stride() == rows * cols,
             kInvalidArgument, "{}: {} x [{}, {}] (stride {}) where {} x [{}, {}] contiguous was expected", what,
             m.count, m.rows, m.cols, m.matrix_stride(), count, rows, cols);
+  if (m.format == kFp8Blocks) return m.data;
   return m.bf16_data(what);
 }
 
@@ -119,7 +139,18 @@ Experts::Experts(const DeviceMatrix& gate_up, const DeviceMatrix& down, ExpertSh
                  int device)
     : Experts(expert_matrices(gate_up, 2 * shape.inter, shape.hidden, shape.experts, "the experts' gate_up"),
               expert_matrices(down, shape.hidden, shape.inter, shape.experts, "the experts' down"), shape, max_tokens,
-              device) {}
+              device) {
+  MOE_CHECK(gate_up.format == down.format, kUnsupported, "the experts' gate_up is {} but their down is {}",
+            gate_up.format.name(), down.format.name());
+  if (!gate_up.format.scaled()) return;
+  MOE_CHECK(shape.inter % 128 == 0 && shape.hidden % 16 == 0, kUnsupported,
+            "FP8 experts on CUDA need an intermediate width that is a multiple of 128 and a hidden width that "
+            "is a multiple of 16; got {} and {}",
+            shape.inter, shape.hidden);
+  format_ = gate_up.format;
+  gate_up_scales_ = gate_up.scales;
+  down_scales_ = down.scales;
+}
 
 Experts::Experts(const void* gate_up, const void* down, ExpertShape shape, int64_t max_tokens,
                  int device)
@@ -140,16 +171,26 @@ Experts::Experts(const void* gate_up, const void* down, ExpertShape shape, int64
   sm90_ = major == 9 && minor == 0;
 }
 
-size_t Experts::workspace_bytes(const ExpertShape& shape, int64_t max_tokens) {
+size_t Experts::workspace_bytes(const ExpertShape& shape, int64_t max_tokens, const WeightFormat& format) {
   check_shape(shape, max_tokens);
-  return layout(shape, max_tokens).total;
+  return layout(shape, max_tokens, format).total;
 }
 
 size_t Experts::weight_bytes() const {
-  return static_cast<size_t>(shape_.experts) * 3 * shape_.hidden * shape_.inter * 2;
+  const size_t values = static_cast<size_t>(shape_.experts) * 3 * shape_.hidden * shape_.inter;
+  if (!format_.scaled()) return values * 2;
+  const auto blocks = [](int64_t n) { return static_cast<size_t>((n + 127) / 128); };
+  const size_t scales = static_cast<size_t>(shape_.experts) *
+                        (blocks(2 * shape_.inter) * blocks(shape_.hidden) + blocks(shape_.hidden) * blocks(shape_.inter));
+  return values + scales * 4;
 }
 
 ExpertPath Experts::path_for(int64_t tokens) const {
+  if (format_.scaled()) {  // GEMV where the bf16 experts would take it, else the W8A8 GEMM
+    if (!h::gemm_supports(shape_.hidden, shape_.inter)) return ExpertPath::kGemv;
+    if (!h::gemv_supports(shape_.hidden, shape_.inter)) return ExpertPath::kGemm;
+    return h::prefer_gemv(tokens, shape_.top_k, shape_.experts) ? ExpertPath::kGemv : ExpertPath::kGemm;
+  }
   const ExpertPath large = sm90_ && h::wgmma_supports(shape_.hidden, shape_.inter) ? ExpertPath::kWgmma
                                                                                   : ExpertPath::kGemm;
   if (!h::gemm_supports(shape_.hidden, shape_.inter)) return ExpertPath::kGemv;
@@ -205,11 +246,26 @@ void Experts::run(const uint16_t* x, const int32_t* ids, const float* weights, i
                 tokens <= h::kGemvMaxTokensBesideGemm,
             kUnsupported, "the GEMV expert path takes at most {} tokens here, got {}",
             h::kGemvMaxTokensBesideGemm, tokens);
-  const Layout l = layout(shape_, max_tokens_);
+  const Layout l = layout(shape_, max_tokens_, format_);
   auto* base = static_cast<unsigned char*>(workspace);
   kernels::ExpertBuffers b{};
   b.gate_up = gate_up_;
   b.down = down_;
+  auto* st = static_cast<cudaStream_t>(stream);
+  if (format_.scaled()) {
+    MOE_CHECK(path != ExpertPath::kWgmma, kUnsupported, "the wgmma expert path does not read FP8 weights yet");
+    MOE_CHECK(path == ExpertPath::kGemv || l.x_fp8 != 0, kUnsupported,
+              "the GEMM expert path on FP8 experts needs them set up for token counts past the GEMV's (room for "
+              "the quantised activations)");
+    b.gate_up_scales = gate_up_scales_;
+    b.down_scales = down_scales_;
+    if (l.x_fp8 != 0) {
+      b.x_fp8 = base + l.x_fp8;
+      b.x_scales = reinterpret_cast<float*>(base + l.x_scales);
+      b.act_fp8 = base + l.act_fp8;
+      b.act_scales = reinterpret_cast<float*>(base + l.act_scales);
+    }
+  }
   b.offsets = reinterpret_cast<int*>(base + l.offsets);
   b.order = reinterpret_cast<int*>(base + l.order);
   b.active = reinterpret_cast<int*>(base + l.active);
@@ -225,7 +281,6 @@ void Experts::run(const uint16_t* x, const int32_t* ids, const float* weights, i
   b.inter = static_cast<int>(shape_.inter);
   b.top_k = static_cast<int>(shape_.top_k);
   if (next) b.norm = kernels::ResidualNorm{next->residual, next->weight, next->eps, next->normed};
-  auto* st = static_cast<cudaStream_t>(stream);
   const int m = static_cast<int>(tokens);
   kernels::PartialSums sums;
   if (partials) b.leave_partials = &sums;

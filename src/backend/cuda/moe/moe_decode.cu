@@ -28,6 +28,7 @@
 #include "backend/cuda/pdl.h"
 #include "backend/cuda/moe/slot_sums.cuh"
 #include "backend/cuda/stream_load.cuh"
+#include "backend/cuda/weight_rows.cuh"
 
 namespace moe::cuda::kernels {
 
@@ -64,17 +65,23 @@ __device__ __forceinline__ void load_gate_up_rows(const uint4* g, const uint4* u
     if (c * 32 + lane >= chunks) gr[c] = ur[c] = make_uint4(0, 0, 0, 0);
 }
 
-// One act value from the loaded gate and up rows and the activation row xr: SiLU(gate . x) *
-// (up . x), handed to store(value) on lane 0.
-template <int C, typename Store>
-__device__ __forceinline__ void gate_up_act(const uint4 (&gr)[C], const uint4 (&ur)[C], const uint4* xr, int chunks,
-                                            int lane, Store&& store) {
+// One act value from the loaded gate and up rows (block scales gsc, usc where W has them) and
+// the activation row xr: SiLU(gate . x) * (up . x), handed to store(value) on lane 0.
+template <int C, typename W, typename Store>
+__device__ __forceinline__ void gate_up_act(const uint4 (&gr)[C], const uint4 (&ur)[C], const float* gsc,
+                                            const float* usc, const uint4* xr, int chunks, int lane, Store&& store) {
   float gs = 0.f, us = 0.f;
 #pragma unroll
   for (int c = 0; c < C; ++c) {
-    const uint4 xv = __ldg(xr + min(c * 32 + lane, chunks - 1));
-    gs += dot_bf16x8(gr[c], xv);
-    us += dot_bf16x8(ur[c], xv);
+    const int idx = min(c * 32 + lane, chunks - 1);
+    const typename W::X xv = W::template load_x<true>(xr, idx);
+    if constexpr (W::kScaled) {
+      gs += W::scale(gsc, idx) * W::dot(gr[c], xv);
+      us += W::scale(usc, idx) * W::dot(ur[c], xv);
+    } else {
+      gs += W::dot(gr[c], xv);
+      us += W::dot(ur[c], xv);
+    }
   }
   gs = warp_sum(gs);
   us = warp_sum(us);
@@ -145,31 +152,47 @@ struct OneTokenRouting {
   }
 };
 
-// Persistent: warp w of the grid takes items w, w + warps, ...; item = (active expert, row j):
-// the gate and up rows j (C 16-byte chunks per lane each, all loads issued before the first
-// use), applied to each of the expert's slots; act[slot, j] = bf16(SiLU(gate) * up).
-// Consecutive warps take consecutive rows, so the whole grid streams one region of memory.
-template <int C, typename Route>  // C: ceil(hidden / 256); Route: Routing or OneTokenRouting
+// Persistent: warp w of the grid takes items w, w + warps, ...; item = (active expert, kRows
+// rows from j): the gate and up rows (C 16-byte chunks per lane each, all loads issued before the
+// first use), applied to each of the expert's slots; act[slot, j] = bf16(SiLU(gate) * up).
+// Consecutive warps take consecutive rows, so the whole grid streams one region of memory. FP8
+// rows are half the bytes of bf16 ones: two rows an item keep as many loads in flight per lane.
+template <typename W>
+constexpr int gate_up_rows_per_item() { return W::kScaled ? 2 : 1; }
+
+// C: 16-byte chunks of a row per lane; Route: Routing or OneTokenRouting; W: weight_rows.cuh.
+template <int C, typename Route, typename W>
 __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) gate_up_kernel(
-    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_gate_up,
+    const __nv_bfloat16* __restrict__ x, const void* __restrict__ w_gate_up, const float* __restrict__ scales,
     const int* __restrict__ ids, int slots, int hidden, int inter, int top_k,
     __nv_bfloat16* __restrict__ act) {
+  constexpr int kRows = gate_up_rows_per_item<W>();
   wait_for_predecessor();  // chained after the router, whose ids it reads
   allow_dependents();
   const Route route(ids, slots);
   const int lane = threadIdx.x % 32;
-  const int chunks = hidden / 8;
-  const int total = route.num_active() * inter;
+  const int chunks = hidden / W::kValues;
+  const int per_expert = inter / kRows;
+  const int total = route.num_active() * per_expert;
   for (int item = blockIdx.x * kGemvWarps + threadIdx.x / 32; item < total;
        item += gridDim.x * kGemvWarps) {
-    const int e = route.expert(item / inter), j = item % inter;
-    const uint4* g = reinterpret_cast<const uint4*>(w_gate_up + ((size_t)e * 2 * inter + j) * hidden);
-    const uint4* u = g + (size_t)inter * chunks;
-    uint4 gr[C], ur[C];
-    load_gate_up_rows(g, u, chunks, lane, [](const uint4* p) { return load_stream(p); }, gr, ur);
-    route.for_slots(item / inter, e, [&](int s) {
+    const int e = route.expert(item / per_expert), j0 = item % per_expert * kRows;
+    uint4 gr[kRows][C], ur[kRows][C];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const uint4* g = W::row(w_gate_up, e, 2 * inter, j0 + r, hidden);
+      load_gate_up_rows(g, g + (size_t)inter * chunks, chunks, lane, [](const uint4* p) { return load_stream(p); },
+                        gr[r], ur[r]);
+    }
+    route.for_slots(item / per_expert, e, [&](int s) {
       const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(s / top_k) * hidden);
-      gate_up_act(gr, ur, xr, chunks, lane, [&](__nv_bfloat16 v) { act[(size_t)s * inter + j] = v; });
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int j = j0 + r;
+        gate_up_act<C, W>(gr[r], ur[r], W::row_scales(scales, e, 2 * inter, j, hidden),
+                          W::row_scales(scales, e, 2 * inter, inter + j, hidden), xr, chunks, lane,
+                          [&](__nv_bfloat16 v) { act[(size_t)s * inter + j] = v; });
+      }
     });
   }
 }
@@ -181,16 +204,16 @@ constexpr int down_rows(int chunks) { return chunks <= 2 ? 8 : chunks <= 4 ? 4 :
 // Persistent like gate_up; item = (active expert, R consecutive rows of down). The first item's
 // weights are loaded before waiting for gate_up (they do not depend on it): that is what fills
 // gate_up's tail. part[slot, h] = weight[slot] * (down[h] . act[slot]).
-template <int C, typename Route>  // C: ceil(inter / 256)
+template <int C, typename Route, typename W>  // C: chunks of a down row per lane
 __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
-    const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ w_down,
+    const __nv_bfloat16* __restrict__ act, const void* __restrict__ w_down, const float* __restrict__ scales,
     const int* __restrict__ ids, int slots, const float* __restrict__ weights,
     int hidden, int inter, float* __restrict__ part) {
   constexpr int R = down_rows(C);
   allow_dependents();
   const Route route(ids, slots);
   const int lane = threadIdx.x % 32;
-  const int chunks = inter / 8;
+  const int chunks = inter / W::kValues;
   const int groups = (hidden + R - 1) / R;
   const int total = route.num_active() * groups;
   const int stride = gridDim.x * kGemvWarps;
@@ -200,8 +223,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
     const int e = route.expert(it / groups), h0 = (it % groups) * R;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const uint4* w = reinterpret_cast<const uint4*>(
-          w_down + ((size_t)e * hidden + min(h0 + r, hidden - 1)) * inter);
+      const uint4* w = W::row(w_down, e, hidden, min(h0 + r, hidden - 1), inter);
 #pragma unroll
       for (int c = 0; c < C; ++c) wr[r][c] = load_stream(w + min(c * 32 + lane, chunks - 1));
     }
@@ -218,15 +240,19 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
         if (c * 32 + lane >= chunks) wr[r][c] = make_uint4(0, 0, 0, 0);
     route.for_slots(item / groups, e, [&](int s) {
       const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)s * inter);
-      uint4 av[C];
+      typename W::X av[C];
 #pragma unroll
-      for (int c = 0; c < C; ++c) av[c] = ar[min(c * 32 + lane, chunks - 1)];  // plain: slot_sums.cuh
+      for (int c = 0; c < C; ++c) av[c] = W::template load_x<false>(ar, min(c * 32 + lane, chunks - 1));  // plain: slot_sums.cuh
       float mine = 0.f;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float v = 0.f;
+        const float* sc = W::row_scales(scales, e, hidden, min(h0 + r, hidden - 1), inter);
 #pragma unroll
-        for (int c = 0; c < C; ++c) v += dot_bf16x8(wr[r][c], av[c]);
+        for (int c = 0; c < C; ++c) {
+          if constexpr (W::kScaled) v += W::scale(sc, min(c * 32 + lane, chunks - 1)) * W::dot(wr[r][c], av[c]);
+          else v += W::dot(wr[r][c], av[c]);
+        }
         v = warp_sum(v);
         if (lane == r) mine = v;
       }
@@ -249,9 +275,9 @@ constexpr int combine_batch(int chunks) { return chunks >= 12 ? 1 : 12 / chunks 
 // down_kernel + combine_kernel (moe-bench layer --device cuda --tokens 1, H100, 2026-11-23), µs:
 // qwen3-30b-a3b 35.6 -> 34.7, deepseek-v2-lite 46.0 -> 45.1. The first row's weights are loaded
 // before the wait, like down_kernel's. Rows with no active expert come out 0.
-template <int C>  // ceil(inter / 256)
+template <int C, typename W>  // C: chunks of a down row per lane
 __global__ void __launch_bounds__(kGemvWarps * 32, kDownCombineMinBlocks) down_combine_kernel(
-    const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ w_down,
+    const __nv_bfloat16* __restrict__ act, const void* __restrict__ w_down, const float* __restrict__ scales,
     const int* __restrict__ ids, int slots, const float* __restrict__ weights, int hidden,
     int inter, __nv_bfloat16* __restrict__ y) {
   constexpr int B = combine_batch(C);
@@ -259,7 +285,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kDownCombineMinBlocks) down_c
   const OneTokenRouting route(ids, slots);
   const int n = route.num_active();
   const int lane = threadIdx.x % 32;
-  const int chunks = inter / 8;
+  const int chunks = inter / W::kValues;
   const int first = blockIdx.x * kGemvWarps + threadIdx.x / 32;
   uint4 wr[B][C];
   // Rows h of the active experts a0 .. a0 + B - 1 (past n: the last one again, not used).
@@ -267,7 +293,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kDownCombineMinBlocks) down_c
 #pragma unroll
     for (int b = 0; b < B; ++b) {
       const int e = route.expert(min(a0 + b, n - 1));
-      const uint4* w = reinterpret_cast<const uint4*>(w_down + ((size_t)e * hidden + h) * inter);
+      const uint4* w = W::row(w_down, e, hidden, h, inter);
 #pragma unroll
       for (int c = 0; c < C; ++c) wr[b][c] = load_stream(w + min(c * 32 + lane, chunks - 1));
     }
@@ -291,10 +317,15 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kDownCombineMinBlocks) down_c
       for (int b = 0; b < B; ++b) {
         const int slot = route.slot(min(a0 + b, n - 1));
         const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)slot * inter);
+        const float* sc = W::row_scales(scales, route.expert(min(a0 + b, n - 1)), hidden, h, inter);
         float v = 0.f;
 #pragma unroll
-        for (int c = 0; c < C; ++c)
-          v += dot_bf16x8(wr[b][c], ar[min(c * 32 + lane, chunks - 1)]);  // plain load: slot_sums.cuh
+        for (int c = 0; c < C; ++c) {
+          const int idx = min(c * 32 + lane, chunks - 1);
+          const float d = W::dot(wr[b][c], W::template load_x<false>(ar, idx));  // plain load: slot_sums.cuh
+          if constexpr (W::kScaled) v += W::scale(sc, idx) * d;
+          else v += d;
+        }
         mine += (a0 + b < n ? __ldg(weights + slot) : 0.f) * v;
       }
     }
@@ -381,18 +412,29 @@ __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const Part* 
   }
 }
 
-// The register arrays need a compile-time size: one instantiation per chunk count.
-template <typename F>
-cudaError_t with_chunks(int width, F&& f) {
-  switch ((width / 8 + 31) / 32) {
+// The register arrays need a compile-time size: one instantiation per count of 16-byte chunks a
+// lane holds of a row of `chunks`.
+// FP8 rows of the widths the GEMV path takes (at most 2048) are at most 128 chunks: 4 a lane.
+template <typename W, typename F>
+cudaError_t with_chunks(int chunks, F&& f) {
+  constexpr int kMax = 2048 / W::kValues / 32;
+  const int c = (chunks + 31) / 32;
+  if (c > kMax) return cudaErrorInvalidValue;
+  switch (c) {
     case 1: return f(std::integral_constant<int, 1>{});
     case 2: return f(std::integral_constant<int, 2>{});
     case 3: return f(std::integral_constant<int, 3>{});
     case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    default: return f(std::integral_constant<int, 8>{});
+    default:
+      if constexpr (kMax > 4) {
+        switch (c) {
+          case 5: return f(std::integral_constant<int, 5>{});
+          case 6: return f(std::integral_constant<int, 6>{});
+          case 7: return f(std::integral_constant<int, 7>{});
+          default: return f(std::integral_constant<int, 8>{});
+        }
+      }
+      return cudaErrorInvalidValue;
   }
 }
 
@@ -424,49 +466,49 @@ cudaError_t launch(void (*kernel)(Params...), int blocks, int threads, bool chai
 }
 
 // `y` set (one token, the plain combine): down_combine_kernel writes y and no combine follows.
-template <typename Route>
+template <typename Route, typename W>
 cudaError_t launch_direct_with(const ExpertBuffers& b, const void* x, const int* ids,
                                const float* weights, int tokens, void* y, cudaStream_t stream) {
   const int slots = tokens * b.top_k;
   const long long max_active = b.experts < slots ? b.experts : slots;
   const auto* xb = static_cast<const __nv_bfloat16*>(x);
   auto* act = static_cast<__nv_bfloat16*>(b.act);
-  cudaError_t err = with_chunks(b.hidden, [&](auto c) {
-    constexpr auto k = gate_up_kernel<decltype(c)::value, Route>;
-    return launch(k, persistent_blocks<k>(max_active * b.inter), kGemvWarps * 32, true, stream,
-                  xb, static_cast<const __nv_bfloat16*>(b.gate_up), ids, slots, b.hidden,
-                  b.inter, b.top_k, act);
+  cudaError_t err = with_chunks<W>(b.hidden / W::kValues, [&](auto c) {
+    constexpr auto k = gate_up_kernel<decltype(c)::value, Route, W>;
+    constexpr int rows = gate_up_rows_per_item<W>();
+    return launch(k, persistent_blocks<k>(max_active * b.inter / rows), kGemvWarps * 32, true, stream,
+                  xb, b.gate_up, b.gate_up_scales, ids, slots, b.hidden, b.inter, b.top_k, act);
   });
   if (err != cudaSuccess) return err;
-  const auto* down = static_cast<const __nv_bfloat16*>(b.down);
   if (y != nullptr) {
-    return with_chunks(b.inter, [&](auto c) {
-      constexpr auto k = down_combine_kernel<decltype(c)::value>;
+    return with_chunks<W>(b.inter / W::kValues, [&](auto c) {
+      constexpr auto k = down_combine_kernel<decltype(c)::value, W>;
       // As many warps as make whole rounds of rows: 2048 rows on 1584 resident warps would leave
       // a second round of 464.
       const int cap = persistent_blocks<k>(b.hidden) * kGemvWarps;
       const int rounds = (b.hidden + cap - 1) / cap;
       const int warps = (b.hidden + rounds - 1) / rounds;
       return launch(k, (warps + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32, true, stream,
-                    static_cast<const __nv_bfloat16*>(act), down, ids, slots, weights, b.hidden,
+                    static_cast<const __nv_bfloat16*>(act), b.down, b.down_scales, ids, slots, weights, b.hidden,
                     b.inter, static_cast<__nv_bfloat16*>(y));
     });
   }
-  return with_chunks(b.inter, [&](auto c) {
+  return with_chunks<W>(b.inter / W::kValues, [&](auto c) {
     constexpr int C = decltype(c)::value;
-    constexpr auto k = down_kernel<C, Route>;
+    constexpr auto k = down_kernel<C, Route, W>;
     const long long groups = (b.hidden + down_rows(C) - 1) / down_rows(C);
     return launch(k, persistent_blocks<k>(max_active * groups), kGemvWarps * 32, true, stream,
-                  static_cast<const __nv_bfloat16*>(act), down, ids, slots, weights, b.hidden,
+                  static_cast<const __nv_bfloat16*>(act), b.down, b.down_scales, ids, slots, weights, b.hidden,
                   b.inter, static_cast<float*>(b.part));
   });
 }
 
 // `y`: see launch_direct_with; only taken for one token (OneTokenRouting).
+template <typename W>
 cudaError_t launch_direct(const ExpertBuffers& b, const void* x, const int* ids,
                           const float* weights, int tokens, void* y, cudaStream_t stream) {
-  return tokens == 1 ? launch_direct_with<OneTokenRouting>(b, x, ids, weights, tokens, y, stream)
-                     : launch_direct_with<Routing>(b, x, ids, weights, tokens, nullptr, stream);
+  return tokens == 1 ? launch_direct_with<OneTokenRouting, W>(b, x, ids, weights, tokens, y, stream)
+                     : launch_direct_with<Routing, W>(b, x, ids, weights, tokens, nullptr, stream);
 }
 
 // The grouped kernels' grid: blockIdx.x indexes the touched experts (blocks past their count
@@ -480,9 +522,9 @@ __device__ __forceinline__ bool grouped_item(const int* active, const int* num_a
 }
 
 // gate_up: a warp per intermediate row.
-template <int C>  // 16-byte chunks of a weight row per lane: ceil(hidden / 256)
+template <int C, typename W>  // 16-byte chunks of a weight row per lane
 __global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped_gate_up_kernel(
-    const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w_gate_up,
+    const __nv_bfloat16* __restrict__ x, const void* __restrict__ w_gate_up, const float* __restrict__ scales,
     const int* __restrict__ offsets, const int* __restrict__ order, const int* __restrict__ active,
     const int* __restrict__ num_active, int hidden, int inter, int top_k,
     __nv_bfloat16* __restrict__ act) {
@@ -490,20 +532,22 @@ __global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped
   int e, j;
   if (!grouped_item(active, num_active, inter, e, j)) return;
   const int lane = threadIdx.x % 32;
-  const int chunks = hidden / 8;
-  const uint4* g = reinterpret_cast<const uint4*>(w_gate_up + ((size_t)e * 2 * inter + j) * hidden);
-  const uint4* u = reinterpret_cast<const uint4*>(w_gate_up + ((size_t)e * 2 * inter + inter + j) * hidden);
+  const int chunks = hidden / W::kValues;
+  const uint4* g = W::row(w_gate_up, e, 2 * inter, j, hidden);
+  const uint4* u = W::row(w_gate_up, e, 2 * inter, inter + j, hidden);
   uint4 gr[C], ur[C];
   load_gate_up_rows(g, u, chunks, lane, [](const uint4* p) { return __ldg(p); }, gr, ur);
+  const float* gsc = W::row_scales(scales, e, 2 * inter, j, hidden);
+  const float* usc = W::row_scales(scales, e, 2 * inter, inter + j, hidden);
   for (int p = offsets[e]; p < offsets[e + 1]; ++p) {
     const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(order[p] / top_k) * hidden);
-    gate_up_act(gr, ur, xr, chunks, lane, [&](__nv_bfloat16 v) { act[(size_t)p * inter + j] = v; });
+    gate_up_act<C, W>(gr, ur, gsc, usc, xr, chunks, lane, [&](__nv_bfloat16 v) { act[(size_t)p * inter + j] = v; });
   }
 }
 
-template <int C>  // ceil(inter / 256)
+template <int C, typename W>  // chunks of a down row per lane
 __global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped_down_kernel(
-    const __nv_bfloat16* __restrict__ act, const __nv_bfloat16* __restrict__ w_down,
+    const __nv_bfloat16* __restrict__ act, const void* __restrict__ w_down, const float* __restrict__ scales,
     const int* __restrict__ offsets, const int* __restrict__ order, const int* __restrict__ active,
     const int* __restrict__ num_active, const float* __restrict__ weights, int hidden, int inter,
     float* __restrict__ part) {
@@ -511,8 +555,9 @@ __global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped
   int e, h;
   if (!grouped_item(active, num_active, hidden, e, h)) return;
   const int lane = threadIdx.x % 32;
-  const int chunks = inter / 8;
-  const uint4* w = reinterpret_cast<const uint4*>(w_down + ((size_t)e * hidden + h) * inter);
+  const int chunks = inter / W::kValues;
+  const uint4* w = W::row(w_down, e, hidden, h, inter);
+  const float* sc = W::row_scales(scales, e, hidden, h, inter);
   uint4 wr[C];
 #pragma unroll
   for (int c = 0; c < C; ++c) wr[c] = __ldg(w + min(c * 32 + lane, chunks - 1));
@@ -524,32 +569,37 @@ __global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped
     const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)p * inter);
     float s = 0.f;
 #pragma unroll
-    for (int c = 0; c < C; ++c) s += dot_bf16x8(wr[c], __ldg(ar + min(c * 32 + lane, chunks - 1)));
+    for (int c = 0; c < C; ++c) {
+      const int idx = min(c * 32 + lane, chunks - 1);
+      const float d = W::dot(wr[c], W::template load_x<true>(ar, idx));
+      if constexpr (W::kScaled) s += W::scale(sc, idx) * d;
+      else s += d;
+    }
     s = warp_sum(s);
     if (lane == 0) part[(size_t)slot * hidden + h] = weights[slot] * s;
   }
 }
 
-template <int C>
+template <int C, typename W>
 void launch_grouped_gate_up(dim3 grid, cudaStream_t stream, const __nv_bfloat16* x, const ExpertBuffers& b,
                     __nv_bfloat16* act) {
-  launch_dependent(grouped_gate_up_kernel<C>, grid, dim3(kGroupedWarps * 32), 0, stream, x,
-                   static_cast<const __nv_bfloat16*>(b.gate_up), b.offsets, b.order, b.active,
-                   b.num_active, b.hidden, b.inter, b.top_k, act);
+  launch_dependent(grouped_gate_up_kernel<C, W>, grid, dim3(kGroupedWarps * 32), 0, stream, x, b.gate_up,
+                   b.gate_up_scales, b.offsets, b.order, b.active, b.num_active, b.hidden, b.inter, b.top_k, act);
 }
 
-template <int C>
+template <int C, typename W>
 void launch_grouped_down(dim3 grid, cudaStream_t stream, const __nv_bfloat16* act, const float* weights,
                  const ExpertBuffers& b) {
-  launch_dependent(grouped_down_kernel<C>, grid, dim3(kGroupedWarps * 32), 0, stream, act,
-                   static_cast<const __nv_bfloat16*>(b.down), b.offsets, b.order, b.active,
-                   b.num_active, weights, b.hidden, b.inter, static_cast<float*>(b.part));
+  launch_dependent(grouped_down_kernel<C, W>, grid, dim3(kGroupedWarps * 32), 0, stream, act, b.down,
+                   b.down_scales, b.offsets, b.order, b.active, b.num_active, weights, b.hidden, b.inter,
+                   static_cast<float*>(b.part));
 }
 
 // Past kGemvDirectMaxSlots: the plan, then one short block per (touched expert, 4 rows), the v2
 // of docs/perf/decode-expert-gemv.md. The persistent kernels above, fed by the plan instead of the
 // ids, ran 5-15% slower here (each item's expert, offsets and slot list cost dependent L2 round
 // trips before its weight loads could issue; docs/perf/decode-direct-gemv.md).
+template <typename W>
 cudaError_t launch_grouped(const ExpertBuffers& b, const void* x, const float* weights, int tokens,
                            cudaStream_t stream) {
   const int slots = tokens * b.top_k;
@@ -558,12 +608,12 @@ cudaError_t launch_grouped(const ExpertBuffers& b, const void* x, const float* w
   auto* act = static_cast<__nv_bfloat16*>(b.act);
   const dim3 gate_up_grid(max_active, (b.inter + kGroupedWarps - 1) / kGroupedWarps);
   const dim3 down_grid(max_active, (b.hidden + kGroupedWarps - 1) / kGroupedWarps);
-  with_chunks(b.hidden, [&](auto c) {
-    launch_grouped_gate_up<decltype(c)::value>(gate_up_grid, stream, xb, b, act);
+  with_chunks<W>(b.hidden / W::kValues, [&](auto c) {
+    launch_grouped_gate_up<decltype(c)::value, W>(gate_up_grid, stream, xb, b, act);
     return cudaSuccess;
   });
-  with_chunks(b.inter, [&](auto c) {
-    launch_grouped_down<decltype(c)::value>(down_grid, stream, act, weights, b);
+  with_chunks<W>(b.inter / W::kValues, [&](auto c) {
+    launch_grouped_down<decltype(c)::value, W>(down_grid, stream, act, weights, b);
     return cudaSuccess;
   });
   return cudaGetLastError();
@@ -612,15 +662,23 @@ cudaError_t launch_combine(const ExpertBuffers& b, const int* ids, int tokens, P
 
 cudaError_t launch_decode(const ExpertBuffers& b, const void* x, const int* ids,
                           const float* weights, int tokens, void* y, cudaStream_t stream) {
+  const bool fp8 = b.gate_up_scales != nullptr;
+  // FP8 rows: 16 codes a chunk, and 128 x 128 scale blocks that gate_up's halves start on.
+  if (fp8 && (b.down_scales == nullptr || b.hidden % 16 != 0 || b.inter % Fp8Rows::kBlock != 0))
+    return cudaErrorInvalidValue;
   cudaError_t err;
   if (tokens * b.top_k <= heuristics::kGemvDirectMaxSlots) {
     // One token with the plain combine: down and the combine are one grid (down_combine_kernel).
     const bool fused = tokens == 1 && b.leave_partials == nullptr && b.norm.x == nullptr;
-    err = launch_direct(b, x, ids, weights, tokens, fused ? y : nullptr, stream);
+    void* out = fused ? y : nullptr;
+    err = fp8 ? launch_direct<Fp8Rows>(b, x, ids, weights, tokens, out, stream)
+              : launch_direct<Bf16Rows>(b, x, ids, weights, tokens, out, stream);
     if (err != cudaSuccess || fused) return err;
   } else {
     err = launch_plan(b, ids, tokens, 0, stream);
-    if (err == cudaSuccess) err = launch_grouped(b, x, weights, tokens, stream);
+    if (err == cudaSuccess)
+      err = fp8 ? launch_grouped<Fp8Rows>(b, x, weights, tokens, stream)
+                : launch_grouped<Bf16Rows>(b, x, weights, tokens, stream);
   }
   if (err != cudaSuccess) return err;
   if (b.leave_partials) {

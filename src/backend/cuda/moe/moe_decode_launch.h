@@ -38,6 +38,17 @@ constexpr int kMaxPlanBlocks = 128;
 struct ExpertBuffers {
   const void* gate_up;  // bf16 [experts, 2 * inter, hidden]: gate rows, then up rows
   const void* down;     // bf16 [experts, hidden, inter]
+  // Set: gate_up and down are FP8 E4M3 codes with f32 scales per 128 x 128
+  // block, per expert [ceil(2 * inter / 128), ceil(hidden / 128)] and [ceil(hidden / 128),
+  // ceil(inter / 128)] (inter a multiple of 128, hidden of 16).
+  const float* gate_up_scales = nullptr;
+  const float* down_scales = nullptr;
+  // FP8 GEMM path (W8A8): x and act quantised per row and 128 columns, [max tokens, hidden] and
+  // [max slots, inter] E4M3 with their [rows, ceil(width / 128)] scales.
+  void* x_fp8 = nullptr;
+  float* x_scales = nullptr;
+  void* act_fp8 = nullptr;
+  float* act_scales = nullptr;
   int* offsets;         // [experts + 1] start of each expert's rows in order
   int* order;           // [max slots] routed slots (t * top_k + j) grouped by expert
   int* active;          // [experts] touched experts, ascending (GEMV path)

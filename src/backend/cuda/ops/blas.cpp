@@ -41,7 +41,23 @@ Blas::Blas(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
 Blas::~Blas() {
   for (auto& [key, p] : plans_) destroy(p.op, p.a, p.b, p.d);
   if (workspace_) cudaFree(workspace_);
+  if (widened_) cudaFree(widened_);
   if (handle_) cublasLtDestroy(handle_);
+}
+
+void Blas::reserve_widened(size_t elements) {
+  if (elements * 2 <= widened_bytes_) return;
+  if (widened_) cudaFree(widened_);
+  widened_ = nullptr;
+  widened_bytes_ = 0;
+  MOE_CUDA_CHECK(cudaMalloc(&widened_, elements * 2));
+  widened_bytes_ = elements * 2;
+}
+
+uint16_t* Blas::widened(size_t elements) const {
+  MOE_CHECK(elements * 2 <= widened_bytes_, kInternal, "a widened weight of {} values, {} reserved", elements,
+            widened_bytes_ / 2);
+  return widened_;
 }
 
 // Row-major y = x · wᵀ is, read column-major, yᵀ[n, m] = w[n, k] · xᵀ[k, m]: A is w stored as a

@@ -36,7 +36,13 @@ class Blas {
                       void* y, OutType out, int64_t ldy, int64_t y_stride, int64_t m, int64_t n,
                       int64_t k, int64_t batch, cudaStream_t stream);
 
-  size_t workspace_bytes() const { return workspace_bytes_; }
+  size_t workspace_bytes() const { return workspace_bytes_ + widened_bytes_; }
+
+  // Room for a weight matrix of `elements` values widened to bf16 (a block-scaled one for the
+  // bf16 GEMM: projection.cpp), allocated now so that none is allocated during graph capture.
+  void reserve_widened(size_t elements);
+  // That room, for at most the reserved elements; kInternal past them.
+  uint16_t* widened(size_t elements) const;
 
  private:
   struct Plan {
@@ -51,6 +57,8 @@ class Blas {
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  uint16_t* widened_ = nullptr;
+  size_t widened_bytes_ = 0;
   std::map<Key, Plan> plans_;
 };
 

@@ -2,6 +2,7 @@
 #include "backend/cuda/bf16x8.cuh"
 #include "backend/cuda/pdl.h"
 #include "backend/cuda/stream_load.cuh"
+#include "backend/cuda/weight_rows.cuh"
 
 #include <cuda_bf16.h>
 
@@ -28,10 +29,14 @@ struct Batch {
   long long x_stride8, w_stride8, y_stride;
 };
 
-template <int M, int KS, int kWarps, int kRowsPerGroup, bool kStream>
+// W (weight_rows.cuh): bf16 rows, or FP8 ones with their block scales (`scales`, scale_cols a
+// row of blocks; not batched). A chunk is 16 bytes of a weight row: W::kValues values of k.
+template <int M, int KS, int kWarps, int kRowsPerGroup, bool kStream, typename W>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const uint4* __restrict__ x,
-                                                          const uint4* __restrict__ w, void* y,
-                                                          bool y_f32, int n, int k8, int ldy, Batch bt) {
+                                                          const uint4* __restrict__ w,
+                                                          const float* __restrict__ scales, int scale_cols,
+                                                          void* y, bool y_f32, int n, int k8, int ldy, Batch bt) {
+  constexpr int kXChunks = W::kValues / 8;  // 16-byte chunks of x a weight chunk meets
   begin_dependent();  // first: see pdl.h
   constexpr int kGroups = kWarps / KS;
   x += blockIdx.y * bt.x_stride8;
@@ -60,17 +65,25 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const uint4* __restri
       for (int u = 0; u < kUnroll; ++u) {
         const int c = base + u * stride;
         if (c >= k8) break;
-        float wf[kRowsPerGroup][8];
+        float wf[kRowsPerGroup][W::kValues];
 #pragma unroll
-        for (int r = 0; r < kRowsPerGroup; ++r) unpack_bf16x8(wv[r][u], wf[r]);
+        for (int r = 0; r < kRowsPerGroup; ++r) {
+          float scale = 1.0f;
+          if constexpr (W::kScaled)
+            scale = W::scale(scales + static_cast<size_t>(min(row0 + r, n - 1) / W::kBlock) * scale_cols, c);
+          W::unpack(wv[r][u], scale, wf[r]);
+        }
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-          float xf[8];
-          unpack_bf16x8(__ldg(x + static_cast<size_t>(m) * bt.ldx8 + c), xf);
 #pragma unroll
-          for (int r = 0; r < kRowsPerGroup; ++r)
+          for (int xc = 0; xc < kXChunks; ++xc) {
+            float xf[8];
+            unpack_bf16x8(__ldg(x + static_cast<size_t>(m) * bt.ldx8 + c * kXChunks + xc), xf);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[r][m] = fmaf(wf[r][i], xf[i], acc[r][m]);
+            for (int r = 0; r < kRowsPerGroup; ++r)
+#pragma unroll
+              for (int i = 0; i < 8; ++i) acc[r][m] = fmaf(wf[r][xc * 8 + i], xf[i], acc[r][m]);
+          }
         }
       }
     }
@@ -117,29 +130,53 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const uint4* __restri
   }
 }
 
-template <int M, int KS, int kWarps = 8, int kRowsPerGroup = 2, bool kStream = false>
-cudaError_t launch_split(const void* x, const void* w, void* y, bool y_f32, int n, int k, int ldy,
+// The weights: bf16 (scales null) or FP8 blocks.
+struct Weights {
+  const void* data;
+  const float* scales;
+};
+
+template <typename W, int M, int KS, int kWarps = 8, int kRowsPerGroup = 2, bool kStream = false>
+cudaError_t launch_split(const void* x, Weights w, void* y, bool y_f32, int n, int k, int ldy,
                          int batch, const Batch& bt, cudaStream_t stream) {
   const int rows_per_block = (kWarps / KS) * kRowsPerGroup;
   const dim3 grid((n + rows_per_block - 1) / rows_per_block, batch);
-  launch_dependent(gemv_kernel<M, KS, kWarps, kRowsPerGroup, kStream>, grid, kWarps * 32, 0, stream,
-      static_cast<const uint4*>(x), static_cast<const uint4*>(w), y, y_f32, n, k / 8, ldy, bt);
+  launch_dependent(gemv_kernel<M, KS, kWarps, kRowsPerGroup, kStream, W>, grid, kWarps * 32, 0, stream,
+      static_cast<const uint4*>(x), static_cast<const uint4*>(w.data), w.scales, (k + 127) / 128, y, y_f32, n,
+      k / W::kValues, ldy, bt);
   return cudaGetLastError();
 }
 
 // Splits k among more warps when the rows alone would leave multiprocessors idle (the router:
 // 128 rows; the shared-expert gate: 1 row). 264 blocks: two per multiprocessor of an H100.
-template <int M>
-cudaError_t launch(const void* x, const void* w, void* y, bool y_f32, int n, int k, int ldy,
+// The thresholds count 16-byte chunks of a row (k / W::kValues) as they were measured for bf16.
+template <typename W, int M>
+cudaError_t launch(const void* x, Weights w, void* y, bool y_f32, int n, int k, int ldy,
                    int batch, const Batch& bt, cudaStream_t stream) {
   const int blocks_unsplit = batch * ((n + kRowsUnsplit - 1) / kRowsUnsplit);
-  if (blocks_unsplit >= 264 && k >= 8 * 32 * 2)
-    return launch_split<M, 1, 4, 4, true>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
-  if (blocks_unsplit >= 264 || k < 8 * 32 * 2)
-    return launch_split<M, 1>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
-  if (blocks_unsplit >= 66 || k < 8 * 32 * 8)
-    return launch_split<M, 4>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
-  return launch_split<M, 8>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+  const int k8 = k / W::kValues * 8;  // k of a bf16 row of as many chunks
+  if (blocks_unsplit >= 264 && k8 >= 8 * 32 * 2)
+    return launch_split<W, M, 1, 4, 4, true>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+  if (blocks_unsplit >= 264 || k8 < 8 * 32 * 2)
+    return launch_split<W, M, 1>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+  if (blocks_unsplit >= 66 || k8 < 8 * 32 * 8)
+    return launch_split<W, M, 4>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+  return launch_split<W, M, 8>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+}
+
+template <typename W>
+cudaError_t launch_rows(int rows, const void* x, Weights w, void* y, bool y_f32, int n, int k, int ldy, int batch,
+                        const Batch& bt, cudaStream_t stream) {
+  switch (rows) {
+    case 1: return launch<W, 1>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+    case 2: return launch<W, 2>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+    case 3: return launch<W, 3>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+    case 4: return launch<W, 4>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+    case 5: return launch<W, 5>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+    case 6: return launch<W, 6>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+    case 7: return launch<W, 7>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+    default: return launch<W, 8>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
+  }
 }
 
 }  // namespace
@@ -152,16 +189,16 @@ cudaError_t gemv_bf16_batched(const void* x, int ldx, long long x_stride, const 
       batch < 1 || batch > 65535 || ldx < k || ldx % 8 != 0 || x_stride % 8 != 0 || w_stride % 8 != 0)
     return cudaErrorInvalidValue;
   const Batch bt{ldx / 8, x_stride / 8, w_stride / 8, y_stride};
-  switch (rows) {
-    case 1: return launch<1>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
-    case 2: return launch<2>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
-    case 3: return launch<3>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
-    case 4: return launch<4>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
-    case 5: return launch<5>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
-    case 6: return launch<6>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
-    case 7: return launch<7>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
-    default: return launch<8>(x, w, y, y_f32, n, k, ldy, batch, bt, stream);
-  }
+  return launch_rows<Bf16Rows>(rows, x, Weights{w, nullptr}, y, y_f32, n, k, ldy, batch, bt, stream);
+}
+
+cudaError_t gemv_fp8(const void* x, const void* w, const float* scales, void* y, bool y_f32, int rows, int n,
+                     int k, int ldy, cudaStream_t stream) {
+  const bool aligned = (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 == 0;
+  if (rows < 1 || rows > kGemvMaxRows || n < 1 || k < 16 || k % 16 != 0 || ldy < n || !aligned || scales == nullptr)
+    return cudaErrorInvalidValue;
+  const Batch bt{k / 8, 0, 0, 0};
+  return launch_rows<Fp8Rows>(rows, x, Weights{w, scales}, y, y_f32, n, k, ldy, 1, bt, stream);
 }
 
 cudaError_t gemv_bf16(const void* x, const void* w, void* y, bool y_f32, int rows, int n, int k,

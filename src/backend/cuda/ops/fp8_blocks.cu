@@ -1,0 +1,94 @@
+#include "backend/cuda/ops/fp8_blocks_launch.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+namespace moe::cuda::kernels {
+namespace {
+
+// A block takes a row at a time (count x rows of them), a thread 16 codes of it at a time: one
+// 16-byte load, two 16-byte stores, the row's scales found once. cols % 16 == 0.
+__global__ void dequantize_kernel(const uint4* __restrict__ codes, const float* __restrict__ scales, long long count,
+                                  long long rows, int cols, int block_rows, int block_cols, uint4* __restrict__ out) {
+  const long long scale_rows = (rows + block_rows - 1) / block_rows;
+  const int scale_cols = (cols + block_cols - 1) / block_cols, chunks = cols / 16;
+  for (long long row = blockIdx.x; row < count * rows; row += gridDim.x) {
+    const float* s = scales + ((row / rows) * scale_rows + row % rows / block_rows) * scale_cols;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+      const uint4 q = codes[row * chunks + c];
+      const float scale = __ldg(s + c * 16 / block_cols);
+      const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&q);
+      uint4 o[2];
+      __nv_bfloat162* ob = reinterpret_cast<__nv_bfloat162*>(o);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3)));
+        ob[i] = __floats2bfloat162_rn(v.x * scale, v.y * scale);
+      }
+      out[(row * chunks + c) * 2] = o[0];
+      out[(row * chunks + c) * 2 + 1] = o[1];
+    }
+  }
+}
+
+// A warp per 128 columns of a row, four values a lane.
+__global__ void quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int rows, const int* __restrict__ rows_on_device,
+                                     int cols, uint8_t* __restrict__ q, float* __restrict__ scales) {
+  const int n = rows_on_device ? min(rows, *rows_on_device) : rows;
+  const int per_row = (cols + 127) / 128, lane = threadIdx.x % 32;
+  const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+  for (long long item = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < (long long)n * per_row;
+       item += warps) {
+    const long long row = item / per_row;
+    const int col = static_cast<int>(item % per_row) * 128 + lane * 4;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (col < cols) {
+      const uint2 raw = *reinterpret_cast<const uint2*>(x + row * cols + col);
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+    }
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float scale = amax > 0.f ? amax / 448.f : 1.f;
+    if (col < cols) {
+      uint32_t packed = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        packed |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(v[i] / scale, __NV_SATFINITE, __NV_E4M3)) << (8 * i);
+      *reinterpret_cast<uint32_t*>(q + row * cols + col) = packed;
+    }
+    if (lane == 0) scales[row * per_row + col / 128] = scale;
+  }
+}
+
+}  // namespace
+
+cudaError_t quantize_rows_fp8(const void* x, int rows, const int* rows_on_device, int cols, void* q, float* scales,
+                              cudaStream_t stream) {
+  if (rows < 0 || cols < 16 || cols % 16 != 0) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  const long long warps = (long long)rows * ((cols + 127) / 128);
+  const unsigned blocks = static_cast<unsigned>(warps / 8 + 1 < 65536 ? warps / 8 + 1 : 65536);
+  quantize_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, rows_on_device, cols,
+                                                   static_cast<uint8_t*>(q), scales);
+  return cudaGetLastError();
+}
+
+cudaError_t dequantize_fp8_blocks(const uint8_t* codes, const float* scales, long long count, long long rows,
+                                  long long cols, int block_rows, int block_cols, uint16_t* out,
+                                  cudaStream_t stream) {
+  if (count < 0 || rows < 0 || cols < 0 || cols % 16 != 0 || cols > (1 << 30) || block_rows < 1 || block_cols < 16 ||
+      block_cols % 16 != 0 || (reinterpret_cast<uintptr_t>(codes) | reinterpret_cast<uintptr_t>(out)) % 16 != 0)
+    return cudaErrorInvalidValue;
+  const long long total_rows = count * rows;
+  if (total_rows == 0 || cols == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>(total_rows < 65536 ? total_rows : 65536);
+  dequantize_kernel<<<blocks, 128, 0, stream>>>(reinterpret_cast<const uint4*>(codes), scales, count, rows,
+                                                static_cast<int>(cols), block_rows, block_cols,
+                                                reinterpret_cast<uint4*>(out));
+  return cudaGetLastError();
+}
+
+}  // namespace moe::cuda::kernels

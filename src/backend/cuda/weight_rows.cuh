@@ -1,0 +1,93 @@
+// How the weight-streaming kernels (the expert GEMVs, the dense GEMV) read a weight row: in
+// 16-byte chunks, each dotted with the matching bf16 activations. One traits type per weight
+// format, so that a kernel is written once and instantiated per format:
+//  - Bf16Rows: 8 values a chunk, no scales;
+//  - Fp8Rows: 16 E4M3 codes a chunk, one f32 scale per 128 x 128 block (DeepSeek's layout,
+//    moe/weight_format.h); a chunk never straddles two blocks, so its dot product is taken on
+//    the codes and scaled once.
+// Device code, CUDA headers only.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "backend/cuda/bf16x8.cuh"
+
+namespace moe::cuda::kernels {
+
+// sum over i of code i of w (E4M3) * value i of the 16 bf16 in x0, x1, one fmaf at a time in
+// the order of i.
+__device__ __forceinline__ float dot_fp8x16(uint4 w, uint4 x0, uint4 x1) {
+  const __nv_fp8x2_storage_t* q = reinterpret_cast<const __nv_fp8x2_storage_t*>(&w);
+  const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&x0);
+  const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&x1);
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float2 wf = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(q[i], __NV_E4M3)));
+    const float2 xf = __bfloat1622float2(i < 4 ? a[i] : b[i - 4]);
+    s = fmaf(wf.x, xf.x, s);
+    s = fmaf(wf.y, xf.y, s);
+  }
+  return s;
+}
+
+// Both traits give: kValues per chunk; row() and row_scales() of row `row` of matrix m of
+// count x [rows, cols]; X, the activation values one chunk meets, load_x() to read them (kLdg:
+// through the read-only path; plain where a predecessor in the same chain wrote them); dot() of
+// a chunk with them; scale() of chunk c given the row's scales (1 without scales).
+struct Bf16Rows {
+  static constexpr int kValues = 8;
+  static constexpr bool kScaled = false;
+  using X = uint4;
+  __device__ static const uint4* row(const void* w, size_t m, int rows, int row, int cols) {
+    return reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(w) + (m * rows + row) * cols);
+  }
+  __device__ static const float* row_scales(const float*, size_t, int, int, int) { return nullptr; }
+  template <bool kLdg>
+  __device__ static X load_x(const uint4* x, int c) { return kLdg ? __ldg(x + c) : x[c]; }
+  __device__ static float dot(uint4 w, const X& x) { return dot_bf16x8(w, x); }
+  __device__ static float scale(const float*, int) { return 1.0f; }
+  // The chunk's values as f32 (scaled: unused).
+  __device__ static void unpack(uint4 w, float scale, float (&f)[kValues]) {
+    (void)scale;
+    unpack_bf16x8(w, f);
+  }
+};
+
+struct Fp8Rows {
+  static constexpr int kValues = 16;
+  static constexpr bool kScaled = true;
+  static constexpr int kBlock = 128;  // block rows and columns
+  struct X {
+    uint4 lo, hi;
+  };
+  __device__ static const uint4* row(const void* w, size_t m, int rows, int row, int cols) {
+    return reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(w) + (m * rows + row) * cols);
+  }
+  __device__ static const float* row_scales(const float* scales, size_t m, int rows, int row, int cols) {
+    const int scale_rows = (rows + kBlock - 1) / kBlock, scale_cols = (cols + kBlock - 1) / kBlock;
+    return scales + (m * scale_rows + row / kBlock) * scale_cols;
+  }
+  template <bool kLdg>
+  __device__ static X load_x(const uint4* x, int c) {
+    return kLdg ? X{__ldg(x + 2 * c), __ldg(x + 2 * c + 1)} : X{x[2 * c], x[2 * c + 1]};
+  }
+  __device__ static float dot(uint4 w, const X& x) { return dot_fp8x16(w, x.lo, x.hi); }
+  __device__ static float scale(const float* s, int c) { return __ldg(s + c * kValues / kBlock); }
+  // The chunk's weights, code x scale: the f32 values the CPU reference dequantises to.
+  __device__ static void unpack(uint4 w, float scale, float (&f)[kValues]) {
+    const __nv_fp8x2_storage_t* q = reinterpret_cast<const __nv_fp8x2_storage_t*>(&w);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(q[i], __NV_E4M3)));
+      f[2 * i] = v.x * scale;
+      f[2 * i + 1] = v.y * scale;
+    }
+  }
+};
+
+}  // namespace moe::cuda::kernels

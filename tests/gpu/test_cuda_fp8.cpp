@@ -1,0 +1,315 @@
+// FP8 block-scaled weights on the GPU (E4M3 codes, one f32 scale per 128 x 128 block) against
+// the CPU reference on the exactly dequantised weights: the routed experts' GEMV path reading the
+// codes (one token, the direct and the grouped forms) and their widened GEMM paths past it, on
+// ragged routing, idle experts, every token on one expert and widths with partial edge blocks;
+// the dense projection's FP8 GEMV and its widened cuBLASLt form; and the engine's weight store
+// holding a checkpoint's FP8 tensors as stored (its bytes are those of the files, not a bf16
+// copy). Outputs poisoned first. Skipped, visibly, where no CUDA device exists.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+#include "backend/cuda/engine/device_model.h"
+#include "backend/cuda/engine/projection.h"
+#include "backend/cuda/ops/fill_launch.h"
+#include "backend/cuda_moe.h"
+#include "gpu_test_util.h"
+#include "io/checkpoint.h"
+#include "model/config.h"
+#include "moe/experts.h"
+#include "../unit/test_util.h"
+
+namespace moe {
+namespace {
+
+using cuda::ExpertPath;
+using gputest::DeviceBuffer;
+
+int64_t blocks(int64_t n) { return (n + 127) / 128; }
+
+// count x [rows, cols] FP8 weights: random codes (no NaN), a random scale per block, and the
+// f32 values code x scale that the CPU loader dequantises to.
+struct Fp8Matrices {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales, values;
+};
+
+Fp8Matrices random_fp8(int64_t count, int64_t rows, int64_t cols, float magnitude, std::mt19937& rng) {
+  Fp8Matrices m;
+  const size_t n = static_cast<size_t>(count * rows * cols);
+  m.codes.resize(n);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (auto& q : m.codes) {
+    do q = static_cast<uint8_t>(byte(rng));
+    while ((q & 0x7f) == 0x7f);  // NaN
+  }
+  m.scales.resize(static_cast<size_t>(count * blocks(rows) * blocks(cols)));
+  std::uniform_real_distribution<float> spread(0.5f, 2.0f);
+  for (auto& s : m.scales) s = spread(rng) * magnitude / 448.0f;
+  m.values.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t c = static_cast<int64_t>(i) % cols, r = static_cast<int64_t>(i) / cols % rows,
+                  e = static_cast<int64_t>(i) / cols / rows;
+    m.values[i] = f8e4m3_to_f32(m.codes[i]) * m.scales[static_cast<size_t>((e * blocks(rows) + r / 128) * blocks(cols) + c / 128)];
+  }
+  return m;
+}
+
+cuda::DeviceMatrix fp8_matrix(const DeviceBuffer<uint8_t>& codes, const DeviceBuffer<float>& scales, int64_t count,
+                              int64_t rows, int64_t cols) {
+  cuda::DeviceMatrix m;
+  m.data = codes.get();
+  m.format = cuda::kFp8Blocks;
+  m.scales = scales.get();
+  m.rows = rows;
+  m.cols = cols;
+  m.count = count;
+  return m;
+}
+
+struct Fp8Layer {
+  ExpertWeights w;  // the dequantised values, for the reference
+  DeviceBuffer<uint8_t> gate_up, down;
+  DeviceBuffer<float> gate_up_scales, down_scales;
+};
+
+Fp8Layer make_layer(int64_t experts, int64_t hidden, int64_t inter, std::mt19937& rng) {
+  const Fp8Matrices gu = random_fp8(experts, 2 * inter, hidden, 0.08f, rng);
+  const Fp8Matrices dn = random_fp8(experts, hidden, inter, 0.08f, rng);
+  Fp8Layer l{zero_experts(experts, hidden, inter), DeviceBuffer<uint8_t>(gu.codes), DeviceBuffer<uint8_t>(dn.codes),
+             DeviceBuffer<float>(gu.scales), DeviceBuffer<float>(dn.scales)};
+  std::copy(gu.values.begin(), gu.values.end(), l.w.gate_up.data<float>());
+  std::copy(dn.values.begin(), dn.values.end(), l.w.down.data<float>());
+  return l;
+}
+
+// The GEMV path reads the codes and bf16 activations: the bf16 experts' bound (test_cuda_moe.cpp;
+// act and the partial sums are rounded to bf16). The GEMM path is W8A8: x and act are quantised
+// to E4M3 per row and 128 columns, each value to within 2^-4 of itself (about 3.6% RMS), once
+// before gate_up and once before down, which leaves the output about 5-6% off the exact product.
+constexpr double kGemvBound = 1e-2;
+constexpr double kW8A8Bound = 1e-1;
+
+// The error of a run against the bound of the path it took.
+struct Checked {
+  double rel;
+  ExpertPath path;
+  bool ok() const { return rel <= (path == ExpertPath::kGemv ? kGemvBound : kW8A8Bound); }
+};
+
+// Relative Frobenius error of the GPU experts on FP8 weights against run_experts on their
+// values, over up to 64 rows spread across the tokens (every row checked for poison).
+Checked expert_error(const Fp8Layer& l, int64_t tokens, int64_t k, const std::vector<int32_t>& ids, ExpertPath path,
+                     int64_t max_tokens, std::mt19937& rng) {
+  const int64_t hidden = l.w.hidden;
+  const cuda::ExpertShape shape{l.w.num_local, hidden, l.w.inter, k};
+  const cuda::Experts gpu(fp8_matrix(l.gate_up, l.gate_up_scales, shape.experts, 2 * shape.inter, hidden),
+                          fp8_matrix(l.down, l.down_scales, shape.experts, hidden, shape.inter), shape, max_tokens);
+  DeviceBuffer<unsigned char> ws(cuda::Experts::workspace_bytes(shape, max_tokens, cuda::kFp8Blocks));
+  ws.poison();
+  if (path == ExpertPath::kAuto) path = gpu.path_for(tokens);
+  const auto x = gputest::random_bf16_exact(static_cast<size_t>(tokens * hidden), rng, 1.0f);
+  std::vector<float> weights(ids.size());
+  for (auto& v : weights) v = std::uniform_real_distribution<float>(0.1f, 1.0f)(rng);
+  DeviceBuffer<uint16_t> dx(gputest::to_bf16(x)), dy(static_cast<size_t>(tokens * hidden));
+  DeviceBuffer<int32_t> dids(ids);
+  DeviceBuffer<float> dw(weights);
+  dy.poison();
+  gpu.forward(dx.get(), dids.get(), dw.get(), tokens, dy.get(), ws.get(), nullptr, path);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> y = gputest::from_bf16(dy.download());
+  for (float v : y)
+    if (!std::isfinite(v)) return Checked{INFINITY, path};
+
+  std::vector<int64_t> rows;
+  for (int64_t t = 0; t < tokens; t += std::max<int64_t>(1, tokens / 64)) rows.push_back(t);
+  const TokenSample sample = sample_tokens(rows, hidden, k, ids, weights, [&](int64_t t, float* row) {
+    std::copy_n(x.begin() + t * hidden, hidden, row);
+  });
+  std::vector<int32_t> all(static_cast<size_t>(l.w.num_local));
+  for (size_t e = 0; e < all.size(); ++e) all[e] = static_cast<int32_t>(e);
+  ThreadPool pool(0);
+  Arena arena("ws", 1 << 20);
+  ExpertPlan plan;
+  Tensor ref = Tensor::zeros({sample.x.dim(0), hidden});
+  run_experts(ExecMode::kNaive, pool, arena, l.w, all, sample.x, sample.ids.data(), sample.weights.data(), k, ref,
+              plan);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < rows.size(); ++i)
+    for (int64_t h = 0; h < hidden; ++h) {
+      const double got = y[static_cast<size_t>(rows[i] * hidden + h)], want = ref.data<float>()[static_cast<int64_t>(i) * hidden + h];
+      num += (got - want) * (got - want);
+      den += want * want;
+    }
+  return Checked{den > 0 ? std::sqrt(num / den) : INFINITY, path};
+}
+
+// k distinct experts per token drawn with weight skew^e: ragged, the last experts idle for
+// small skew.
+std::vector<int32_t> route(int64_t experts, int64_t tokens, int64_t k, double skew, std::mt19937& rng) {
+  std::vector<double> p(static_cast<size_t>(experts));
+  for (size_t e = 0; e < p.size(); ++e) p[e] = std::pow(skew, static_cast<double>(e));
+  std::vector<int32_t> ids;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const auto pick = gputest::draw_experts(p, k, rng);
+    ids.insert(ids.end(), pick.begin(), pick.end());
+  }
+  return ids;
+}
+
+TEST(CudaFp8, ExpertsOnTheQwenShapeFromDecodeToPrefill) {
+  REQUIRE_GPU();
+  std::mt19937 rng(11);
+  const Fp8Layer l = make_layer(128, 2048, 768, rng);
+  for (int64_t tokens : {1, 3, 8, 33, 200, 300}) {
+    const auto ids = route(128, tokens, 8, 0.97, rng);
+    for (ExpertPath p : {ExpertPath::kAuto, ExpertPath::kGemv, ExpertPath::kGemm}) {
+      if (p == ExpertPath::kGemv && tokens > 256) continue;
+      const Checked c = expert_error(l, tokens, 8, ids, p, 512, rng);
+      EXPECT_TRUE(c.ok()) << "M=" << tokens << " path " << static_cast<int>(c.path) << ": " << c.rel;
+      std::printf("qwen shape M=%lld path %d: rel %.2e\n", static_cast<long long>(tokens), static_cast<int>(c.path), c.rel);
+    }
+  }
+}
+
+TEST(CudaFp8, PartialEdgeBlocksIdleExpertsAndOneExpertForAll) {
+  REQUIRE_GPU();
+  std::mt19937 rng(12);
+  // hidden 448: three and a half blocks of columns (gate_up) and of rows (down).
+  const Fp8Layer l = make_layer(16, 448, 256, rng);
+  for (int64_t tokens : {1, 4, 40, 150, 280}) {
+    for (ExpertPath p : {ExpertPath::kAuto, ExpertPath::kGemv, ExpertPath::kGemm}) {
+      if (p == ExpertPath::kGemv && tokens > 256) continue;
+      const Checked skewed = expert_error(l, tokens, 4, route(16, tokens, 4, 0.5, rng), p, 300, rng);
+      EXPECT_TRUE(skewed.ok()) << "skewed, M=" << tokens << " path " << static_cast<int>(skewed.path) << ": " << skewed.rel;
+      const std::vector<int32_t> one(static_cast<size_t>(tokens), 5);  // top-1, all on expert 5
+      const Checked all = expert_error(l, tokens, 1, one, p, 300, rng);
+      EXPECT_TRUE(all.ok()) << "one expert, M=" << tokens << " path " << static_cast<int>(all.path) << ": " << all.rel;
+    }
+  }
+}
+
+TEST(CudaFp8, ExpertsRefuseWhatTheyCannotRun) {
+  REQUIRE_GPU();
+  std::mt19937 rng(13);
+  const Fp8Layer l = make_layer(4, 256, 192, rng);  // inter 192: the up half starts inside a block
+  const cuda::ExpertShape shape{4, 256, 192, 2};
+  std::string why;
+  EXPECT_EQ(test::error_kind_of(
+                [&] {
+                  cuda::Experts e(fp8_matrix(l.gate_up, l.gate_up_scales, 4, 384, 256),
+                                  fp8_matrix(l.down, l.down_scales, 4, 256, 192), shape, 8);
+                },
+                &why),
+            ErrorKind::kUnsupported);
+  EXPECT_NE(why.find("multiple of 128"), std::string::npos) << why;
+  // Set up for token counts the GEMV takes (8 tokens spread over 64 experts): no room for the
+  // quantised activations of a forced GEMM path.
+  const Fp8Layer ok = make_layer(64, 256, 128, rng);
+  const cuda::ExpertShape s2{64, 256, 128, 2};
+  const cuda::Experts e(fp8_matrix(ok.gate_up, ok.gate_up_scales, 64, 256, 256),
+                        fp8_matrix(ok.down, ok.down_scales, 64, 256, 128), s2, 8);
+  DeviceBuffer<unsigned char> ws(cuda::Experts::workspace_bytes(s2, 8, cuda::kFp8Blocks));
+  DeviceBuffer<uint16_t> x(256 * 2), y(256 * 2);
+  DeviceBuffer<int32_t> ids(std::vector<int32_t>{0, 1, 2, 3});
+  DeviceBuffer<float> w(std::vector<float>{1, 1, 1, 1});
+  EXPECT_EQ(test::error_kind_of(
+                [&] { e.forward(x.get(), ids.get(), w.get(), 2, y.get(), ws.get(), nullptr, ExpertPath::kGemm); }, &why),
+            ErrorKind::kUnsupported);
+  EXPECT_NE(why.find("FP8"), std::string::npos) << why;
+}
+
+// The dense projection: y = x · wᵀ in f32 for rows 1 to 8 (GEMV on the codes: the weights are
+// exact, only f32 summation order differs from the double reference) and 40 (widened to bf16
+// for cuBLASLt: each weight rounded to bf16).
+TEST(CudaFp8, DenseProjectionWithPartialBlocks) {
+  REQUIRE_GPU();
+  std::mt19937 rng(14);
+  const int64_t n = 300, k = 464;  // neither a multiple of 128
+  const Fp8Matrices w = random_fp8(1, n, k, 0.05f, rng);
+  DeviceBuffer<uint8_t> codes(w.codes);
+  DeviceBuffer<float> scales(w.scales);
+  cuda::Blas blas;
+  blas.reserve_widened(static_cast<size_t>(n * k));
+  for (int64_t m : {1, 2, 5, 8, 40}) {
+    const auto x = gputest::random_bf16_exact(static_cast<size_t>(m * k), rng, 1.0f);
+    DeviceBuffer<uint16_t> dx(gputest::to_bf16(x));
+    DeviceBuffer<float> dy(static_cast<size_t>(m * n));
+    dy.poison();
+    cuda::project(blas, dx.get(), fp8_matrix(codes, scales, 1, n, k), dy.get(), cuda::OutType::kF32, m, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto y = dy.download();
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double want = 0;
+        for (int64_t c = 0; c < k; ++c)
+          want += static_cast<double>(x[static_cast<size_t>(i * k + c)]) * w.values[static_cast<size_t>(j * k + c)];
+        const double got = y[static_cast<size_t>(i * n + j)];
+        ASSERT_TRUE(std::isfinite(got)) << "m=" << m << " [" << i << ", " << j << "]";
+        num += (got - want) * (got - want);
+        den += want * want;
+      }
+    EXPECT_LE(std::sqrt(num / den), m <= 8 ? 1e-5 : 5e-3) << "m=" << m;
+  }
+}
+
+// Random FP8 weights drawn on the device are the loader's random stream (its own copy of the
+// rule here) to E4M3 precision: each code times the block scale within half a step of the value
+// (2^-4 of it for normal codes, half the subnormal spacing 2^-9 of the scale below them).
+TEST(CudaFp8, RandomWeightsAreTheLoadersStreamInFp8) {
+  REQUIRE_GPU();
+  const size_t count = 100001;  // odd: the last pair's second value is not written
+  const uint64_t state = 0x1234567890abcdefull;
+  DeviceBuffer<uint8_t> codes(count + 1);
+  codes.poison();
+  ASSERT_EQ(cuda::kernels::fill_random_fp8(codes.get(), count, state, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint8_t> got = codes.download();
+  const float s = cuda::kernels::kRandomFp8Scale, stream_scale = 0.02f * 1.7320508f / 2147483648.0f;
+  for (size_t i = 0; i < count; ++i) {
+    uint64_t z = state + (i / 2 + 1) * 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    const float want = static_cast<float>(static_cast<int32_t>(i % 2 ? z >> 32 : z)) * stream_scale;
+    const float value = f8e4m3_to_f32(got[i]) * s;
+    ASSERT_LE(std::fabs(value - want), std::fabs(want) / 16 + s / 1024) << "at " << i;
+  }
+  EXPECT_EQ(got[count], 0xff) << "wrote past the end";
+}
+
+// The engine's store keeps a checkpoint's FP8 matrices as stored: its bytes are the files' FP8
+// codes at one byte, the 16-bit matrices at two and the scales at four, with no bf16 copy.
+TEST(CudaFp8, WeightStoreHoldsTheCheckpointsBytes) {
+  REQUIRE_GPU();
+  const std::string dir = std::string(MOE_SOURCE_DIR) + "/tests/fixtures/qwen3_moe_fp8";
+  const ModelConfig mc = load_model_config(dir);
+  cuda::DeviceLoad opts;
+  opts.max_tokens = 64;
+  const auto model = cuda::load_device_model(dir, mc, opts);
+  Checkpoint ckpt(dir);
+  size_t want = 0;
+  int64_t fp8 = 0;
+  for (const std::string& name : ckpt.names()) {
+    const TensorInfo& t = ckpt.info(name);
+    size_t n = 1;
+    for (int64_t d : t.shape) n *= static_cast<size_t>(d);
+    if (name.ends_with("_scale_inv")) want += n * 4;
+    else if (t.dtype == DType::kF8E4M3) want += n, ++fp8;
+    else if (t.shape.size() >= 2) want += n * 2;
+  }
+  EXPECT_EQ(model->store->payload_bytes(), want);
+  EXPECT_GT(model->store->fp8_matrices(), 0);
+  EXPECT_EQ(model->store->fp8_pieces(), fp8);
+  const cuda::DeviceLayer& l0 = model->layers[0];
+  EXPECT_EQ(l0.o.format, cuda::kFp8Blocks);
+  EXPECT_EQ(l0.expert_gate_up.format, cuda::kFp8Blocks);
+  // q, k and v stay fused only where k's rows end on a block row (the fixture's 64 do not).
+  EXPECT_FALSE(l0.qkv_fused);
+}
+
+}  // namespace
+}  // namespace moe
