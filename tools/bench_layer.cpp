@@ -194,8 +194,9 @@ int run_layer_bench(const LayerBenchArgs& args) {
   MOE_CHECK(a.ep >= 1 && a.ep <= shape.experts, kInvalidArgument,
             "--ep {} must be in [1, {}] (the number of experts)", a.ep, shape.experts);
   if (gpu) {
-    MOE_CHECK(a.dtype == "bf16", kUnsupported,
-              "--dtype {}: the CUDA experts compute in bf16 (pass --dtype bf16)", a.dtype);
+    MOE_CHECK(a.dtype == "bf16" || (a.dtype == "fp8" && a.ep == 1), kUnsupported,
+              "--dtype {}: the CUDA experts take bf16, or fp8 (E4M3 in 128 x 128 blocks) on one GPU (--ep 1)",
+              a.dtype);
     if (a.ep > 1)
       return run_layer_bench_cuda_ep(a, shape.experts, shape.hidden, shape.inter, shape.top_k,
                                      shape.router, shape.name, shape.tokens);
@@ -203,7 +204,7 @@ int run_layer_bench(const LayerBenchArgs& args) {
                                 shape.router, shape.name);
   }
   MOE_CHECK(a.dtype == "f32", kUnsupported,
-            "--dtype {}: the CPU reference computes in f32 (bf16 runs on --device cuda)", a.dtype);
+            "--dtype {}: the CPU reference computes in f32 (bf16 and fp8 run on --device cuda)", a.dtype);
   if (a.tokens > 0) shape.tokens = a.tokens;
   MOE_CHECK(a.runs >= 1 && a.warmup >= 0, kInvalidArgument, "--runs must be >= 1, --warmup >= 0");
   const double weight_bytes = 3.0 * shape.experts * shape.hidden * shape.inter * 4;

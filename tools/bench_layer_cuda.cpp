@@ -1,15 +1,18 @@
-// moe-bench layer --device cuda: the routed experts of one MoE layer on one GPU, bf16, over a
-// sweep of token counts (the path each M takes by the heuristics, and the other paths where they
-// can run at that M: GEMV up to 256 tokens, mma.sync GEMM, wgmma GEMM on sm_90). Each point: CUDA-graph replays with the L2 cache flushed before each, timed
-// with events; the floor is max(bytes / measured copy bandwidth, FLOPs / bf16 matmul rate), with
-// vLLM's fused_moe on an H100 beside it where the peers measured that shape; the error is against
-// the CPU reference on up to 128 of the M rows.
+// moe-bench layer --device cuda: the routed experts of one MoE layer on one GPU, bf16 or FP8
+// (--dtype fp8: E4M3 weights with a scale per 128 x 128 block), over a sweep of token counts (the
+// path each M takes by the heuristics, and the other paths where they can run at that M: GEMV up
+// to 256 tokens, mma.sync GEMM, wgmma GEMM on sm_90 for bf16). Each point: CUDA-graph replays
+// with the L2 cache flushed before each, timed with events; the floor is max(bytes / measured
+// copy bandwidth, FLOPs / matmul rate: the peers' bf16 rate, or the FP8 rate measured here), with
+// vLLM's fused_moe on an H100 beside it where the peers measured that shape and dtype; the error
+// is against the CPU reference (on the exact FP8 values for fp8) on up to 128 of the M rows.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <memory>
 #include <string>
 
 #include <fmt/format.h>
@@ -53,6 +56,51 @@ double vllm_us(const char* name, int64_t m, bool h200) {
   return 0;
 }
 
+// vLLM fused_moe on the W8A8 128 x 128 block path, µs, H100, activation quantisation included
+// (shared/peers/README.md, vllm_fp8_layer_h100.txt). 0: not measured.
+double vllm_fp8_us(const char* name, int64_t m) {
+  static const int64_t ms[] = {1, 8, 32, 128, 512, 2048, 8192};
+  static const double qwen[] = {34.8, 113.5, 217.5, 262.9, 304.5, 555.9, 1769.2};
+  static const double dsv3[] = {153.0, 975.3, 2495.1, 3879.4, 4124.7, 5191.2, 12235.6};
+  const std::string n(name);
+  const double* row = n == "qwen3-30b-a3b" ? qwen : n == "deepseek-v3" ? dsv3 : nullptr;
+  for (int i = 0; row && i < 7; ++i)
+    if (ms[i] == m) return row[i];
+  return 0;
+}
+
+// count x [rows, cols] FP8 weights for the bench: codes from the whole E4M3 range but NaN, a
+// scale per block that keeps every weight within 0.0346 (the bf16 bench's range), and the f32
+// values code x scale, which the CPU reference computes with.
+struct Fp8Host {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+};
+Fp8Host random_fp8(int64_t count, int64_t rows, int64_t cols, uint64_t seed, float* values) {
+  Fp8Host h;
+  const size_t n = static_cast<size_t>(count * rows * cols);
+  h.codes.resize(n);
+  uint64_t z = seed;
+  for (size_t i = 0; i < n; ++i) {
+    if (i % 8 == 0) z = z * 6364136223846793005ull + 1442695040888963407ull;
+    uint8_t q = static_cast<uint8_t>(z >> (8 * (i % 8)));
+    if ((q & 0x7f) == 0x7f) q ^= 0x01;  // NaN -> the largest finite code of that sign
+    h.codes[i] = q;
+  }
+  const int64_t br = (rows + 127) / 128, bc = (cols + 127) / 128;
+  h.scales.resize(static_cast<size_t>(count * br * bc));
+  for (size_t b = 0; b < h.scales.size(); ++b) h.scales[b] = 0.0346f / 448.0f * (0.5f + 0.5f * static_cast<float>(b % 7) / 6);
+  float table[256];
+  for (int q = 0; q < 256; ++q) table[q] = f8e4m3_to_f32(static_cast<uint8_t>(q));
+  size_t i = 0;
+  for (int64_t e = 0; e < count; ++e)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row_scales = h.scales.data() + (e * br + r / 128) * bc;
+      for (int64_t c = 0; c < cols; ++c, ++i) values[i] = table[h.codes[i]] * row_scales[c / 128];
+    }
+  return h;
+}
+
 // The bf16 matmul rate the peers measured on an H100 (748 TFLOP/s): the compute half of the floor
 // (an H200 measured about 790; the H100 figure is kept so floors compare across the two).
 constexpr double kMatmulFlops = 748e12;
@@ -76,19 +124,61 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
   cudaDeviceProp prop;
   MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const double copy_bw = measure_copy_bandwidth(0);
+  const bool fp8 = a.dtype == "fp8";
+  const double matmul_flops = fp8 ? measure_fp8_matmul_rate(0) : kMatmulFlops;
 
   std::mt19937 rng(11);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   // Uniform weights with the std of N(0, 0.02): a normal draw per element takes tens of seconds
   // for a qwen3 layer's 600M weights.
   ExpertWeights w = zero_experts(experts, hidden, inter);
-  fill_uniform_bf16(w.gate_up, 1, 0.0346f);
-  fill_uniform_bf16(w.down, 2, 0.0346f);
+  Fp8Host gate_up8, down8;
+  if (fp8) {
+    gate_up8 = random_fp8(experts, 2 * inter, hidden, 1, w.gate_up.data<float>());
+    down8 = random_fp8(experts, hidden, inter, 2, w.down.data<float>());
+  } else {
+    fill_uniform_bf16(w.gate_up, 1, 0.0346f);
+    fill_uniform_bf16(w.down, 2, 0.0346f);
+  }
 
   std::vector<int64_t> sweep = a.tokens > 0 ? std::vector<int64_t>{a.tokens}
                                             : std::vector<int64_t>{1, 8, 32, 128, 512, 2048, 8192};
   const int64_t max_m = *std::max_element(sweep.begin(), sweep.end());
-  cuda::DecodeExperts layer(w, max_m, top_k);
+  // bf16: the owning DecodeExperts; FP8: the codes and scales uploaded, the core over them.
+  std::unique_ptr<cuda::DecodeExperts> bf16_layer;
+  std::unique_ptr<DeviceMem> codes_gu, codes_dn, scales_gu, scales_dn, fp8_ws;
+  std::unique_ptr<cuda::Experts> fp8_layer;
+  const cuda::ExpertShape shape{experts, hidden, inter, top_k};
+  if (fp8) {
+    auto upload = [](const auto& v) {
+      auto d = std::make_unique<DeviceMem>(v.size() * sizeof(v[0]));
+      MOE_CUDA_CHECK(cudaMemcpy(d->p, v.data(), v.size() * sizeof(v[0]), cudaMemcpyHostToDevice));
+      return d;
+    };
+    codes_gu = upload(gate_up8.codes);
+    codes_dn = upload(down8.codes);
+    scales_gu = upload(gate_up8.scales);
+    scales_dn = upload(down8.scales);
+    auto matrix = [&](const DeviceMem& c, const DeviceMem& sc, int64_t rows, int64_t cols) {
+      cuda::DeviceMatrix m = cuda::DeviceMatrix::bf16(c.p, rows, cols, experts);
+      m.format = cuda::kFp8Blocks;
+      m.scales = sc.as<float>();
+      return m;
+    };
+    fp8_layer = std::make_unique<cuda::Experts>(matrix(*codes_gu, *scales_gu, 2 * inter, hidden),
+                                                matrix(*codes_dn, *scales_dn, hidden, inter), shape, max_m);
+    fp8_ws = std::make_unique<DeviceMem>(cuda::Experts::workspace_bytes(shape, max_m, cuda::kFp8Blocks));
+  } else {
+    bf16_layer = std::make_unique<cuda::DecodeExperts>(w, max_m, top_k);
+  }
+  const cuda::Experts& core = fp8 ? *fp8_layer : bf16_layer->core();
+  auto forward = [&](const DeviceMem& x, const DeviceMem& ids, const DeviceMem& wts, int64_t m, const DeviceMem& y,
+                     cuda::ExpertPath path) {
+    if (fp8)
+      core.forward(x.as<uint16_t>(), ids.as<int32_t>(), wts.as<float>(), m, y.as<uint16_t>(), fp8_ws->p, stream, path);
+    else
+      bf16_layer->forward(x.as<uint16_t>(), ids.as<int32_t>(), wts.as<float>(), m, y.as<uint16_t>(), stream, path);
+  };
   DeviceMem flush(256u << 20), dx(max_m * hidden * 2), dy(max_m * hidden * 2),
       dids(max_m * top_k * 4), dw(max_m * top_k * 4);
   cudaEvent_t e0, e1;
@@ -101,6 +191,8 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
 
   nlohmann::json doc;
   doc["preset"] = name;
+  doc["dtype"] = a.dtype;
+  doc["matmul_TFLOPs"] = matmul_flops / 1e12;
   doc["routing_skew"] = a.routing_skew;
   doc["device"] = prop.name;
   doc["copy_GBps"] = copy_bw / 1e9;
@@ -110,10 +202,13 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
                   "through the model's router on the host, not timed (routing_skew S > 0: "
                   "S * sin(12.9898 * e) added to expert e's logits; no vLLM figure then, as "
                   "those are for uniform routing); floor = max(bytes / copy bandwidth measured "
-                  "here, FLOPs / 748 TFLOP/s); rel_err on up to 128 rows";
+                  "here, FLOPs / matmul_TFLOPs: 748 for bf16, the FP8 rate measured here by "
+                  "cuBLASLt 8192^3 for fp8); rel_err on up to 128 rows";
   if (!a.json) {
-    std::printf("moe-bench layer %s --device cuda: %s, copy %.0f GB/s measured; bf16, routed experts only\n",
-                name, prop.name, copy_bw / 1e9);
+    std::printf("moe-bench layer %s --device cuda: %s, copy %.0f GB/s measured; %s, routed experts only; "
+                "compute floor at %.0f TFLOP/s%s\n",
+                name, prop.name, copy_bw / 1e9, fp8 ? "FP8 E4M3 in 128 x 128 blocks" : "bf16", matmul_flops / 1e12,
+                fp8 ? " (FP8, measured here)" : " (bf16, the peers' H100 figure)");
     if (a.routing_skew > 0)
       std::printf("routing skew %g: expert loads uneven; no vLLM figures (theirs are for uniform routing)\n",
                   a.routing_skew);
@@ -155,25 +250,27 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
     for (int32_t id : ids) ++load[static_cast<size_t>(id)];
     const int64_t touched = std::count_if(load.begin(), load.end(), [](int64_t n) { return n > 0; });
     const int64_t max_load = *std::max_element(load.begin(), load.end());
-    const double bytes = touched * 3.0 * hidden * inter * 2 + 2.0 * m * hidden * 2;
+    // FP8: a byte a weight and an f32 scale per 128 x 128 block.
+    const double weight_bytes = fp8 ? 1.0 + 4.0 / (128.0 * 128.0) : 2.0;
+    const double bytes = touched * 3.0 * hidden * inter * weight_bytes + 2.0 * m * hidden * 2;
     const double flops = 2.0 * m * top_k * 3.0 * hidden * inter;
-    const double floor_us = std::max(bytes / copy_bw, flops / kMatmulFlops) * 1e6;
-    const double vllm = a.routing_skew > 0 ? 0.0 : vllm_us(name, m, std::string(prop.name).find("H200") != std::string::npos);
+    const double floor_us = std::max(bytes / copy_bw, flops / matmul_flops) * 1e6;
+    const bool h200 = std::string(prop.name).find("H200") != std::string::npos;
+    const double vllm = a.routing_skew > 0 || (fp8 && h200) ? 0.0 : fp8 ? vllm_fp8_us(name, m) : vllm_us(name, m, h200);
 
     // The heuristics' path first, then the others where they can run this M (to place the switches).
-    const cuda::ExpertPath chosen = layer.core().path_for(m);
+    const cuda::ExpertPath chosen = core.path_for(m);
     std::vector<cuda::ExpertPath> paths{chosen};
-    const cuda::ExpertShape shape{experts, hidden, inter, top_k};
     const bool sm90 = prop.major == 9 && prop.minor == 0;
     for (cuda::ExpertPath other : {cuda::ExpertPath::kGemv, cuda::ExpertPath::kGemm, cuda::ExpertPath::kWgmma}) {
       if (other == chosen || !cuda::experts_support(shape, other)) continue;
       if (other == cuda::ExpertPath::kGemv && m > 256) continue;
-      if (other == cuda::ExpertPath::kWgmma && !sm90) continue;
+      if (other == cuda::ExpertPath::kWgmma && (!sm90 || fp8)) continue;
       paths.push_back(other);
     }
     for (cuda::ExpertPath path : paths) {
       MOE_CUDA_CHECK(cudaMemset(dy.p, 0xff, m * hidden * 2));
-      layer.forward(dx.as<uint16_t>(), dids.as<int32_t>(), dw.as<float>(), m, dy.as<uint16_t>(), stream, path);
+      forward(dx, dids, dw, m, dy, path);
       MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
       std::vector<uint16_t> yb(static_cast<size_t>(m * hidden));
       MOE_CUDA_CHECK(cudaMemcpy(yb.data(), dy.p, yb.size() * 2, cudaMemcpyDeviceToHost));
@@ -192,7 +289,7 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
       cudaGraph_t graph;
       cudaGraphExec_t exec;
       MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      layer.forward(dx.as<uint16_t>(), dids.as<int32_t>(), dw.as<float>(), m, dy.as<uint16_t>(), stream, path);
+      forward(dx, dids, dw, m, dy, path);
       MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
       MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
       std::vector<double> us;

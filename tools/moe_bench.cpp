@@ -15,7 +15,7 @@ int main(int argc, char** argv) {
   layer->add_option("--preset", la.preset, "seed | qwen3-30b-a3b | deepseek-v2-lite | deepseek-v3 | mixtral-8x7b")->capture_default_str();
   layer->add_option("--tokens", la.tokens, "tokens per forward (default: the seed's 64; for a model preset on cuda a sweep)");
   layer->add_option("--ep", la.ep, "expert-parallel ranks: threads on cpu, GPUs on cuda (default: 2 for the seed and on cpu, else 1)");
-  layer->add_option("--dtype", la.dtype, "f32 (cpu) | bf16 (cuda); default: the device's");
+  layer->add_option("--dtype", la.dtype, "f32 (cpu) | bf16, fp8 (cuda); default: the device's");
   layer->add_option("--device", la.device, "auto | cpu | cuda (auto: cuda when the GPUs are there)")->capture_default_str();
   layer->add_option("--runs", la.runs, "timed runs")->capture_default_str();
   layer->add_option("--warmup", la.warmup, "untimed runs first")->capture_default_str();

@@ -32,5 +32,8 @@ double measure_copy_bandwidth(int device = 0);
 // expert-parallel exchanges cross. 0 without CUDA.
 double measure_peer_bandwidth(int from, int to);
 double measure_bf16_matmul_rate(int device = 0);
+// The dense FP8 matmul rate in FLOP/s: cuBLASLt, E4M3 x E4M3 -> bf16, 8192^3, f32 accumulation,
+// tensor-wide scales. kUnsupported where cuBLASLt runs none; 0 without CUDA.
+double measure_fp8_matmul_rate(int device = 0);
 
 }  // namespace moe

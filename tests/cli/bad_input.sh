@@ -129,6 +129,8 @@ expect bench_unknown_preset "unknown layer preset" -- "$bench" layer --preset gp
 expect bench_ep_too_large "must be in \\[1, 8\\]" -- "$bench" layer --ep 9
 expect bench_bad_device "valid devices are auto, cpu and cuda" -- "$bench" layer --device tpu
 expect bench_cuda_needs_bf16 "bf16|no CUDA backend" -- "$bench" layer --device cuda --dtype f32
+expect bench_fp8_one_gpu "fp8 \\(E4M3 in 128 x 128 blocks\\) on one GPU|no CUDA backend" -- "$bench" layer --device cuda --dtype fp8 --ep 2
+expect bench_fp8_on_cpu "bf16 and fp8 run on --device cuda" -- "$bench" layer --device cpu --dtype fp8
 expect bench_cuda_bad_ep "must be in \\[1, 8\\]" -- "$bench" layer --device cuda --ep -1
 expect bench_skew_range "--routing-skew must be in \\[0, 10\\], got -1" -- "$bench" layer --device cuda --routing-skew -1
 expect bench_skew_on_cpu "--routing-skew is for the single-GPU CUDA layer bench" -- "$bench" layer --device cpu --routing-skew 1.5

@@ -9,5 +9,6 @@ std::string cuda_status() { return "built without CUDA (configure with -DMOE_CUD
 double measure_copy_bandwidth(int) { return 0.0; }
 double measure_peer_bandwidth(int, int) { return 0.0; }
 double measure_bf16_matmul_rate(int) { return 0.0; }
+double measure_fp8_matmul_rate(int) { return 0.0; }
 
 }  // namespace moe

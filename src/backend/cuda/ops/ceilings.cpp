@@ -1,3 +1,4 @@
+#include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <utility>
@@ -85,6 +86,68 @@ double measure_bf16_matmul_rate(int device) {
   cudaFree(x);
   cudaFree(w);
   cudaFree(y);
+  return 2.0 * static_cast<double>(n) * n * n / s;
+}
+
+double measure_fp8_matmul_rate(int device) {
+  MOE_CUDA_CHECK(cudaSetDevice(device));
+  const int64_t n = 8192;
+  void *x = nullptr, *w = nullptr, *y = nullptr;
+  MOE_CUDA_CHECK(cudaMalloc(&x, static_cast<size_t>(n * n)));
+  MOE_CUDA_CHECK(cudaMalloc(&w, static_cast<size_t>(n * n)));
+  MOE_CUDA_CHECK(cudaMalloc(&y, static_cast<size_t>(n * n) * 2));
+  // 0x30 is E4M3 0.125: finite, normal, and the sums of 8192 products stay well inside bf16.
+  MOE_CUDA_CHECK(cudaMemset(x, 0x30, static_cast<size_t>(n * n)));
+  MOE_CUDA_CHECK(cudaMemset(w, 0x30, static_cast<size_t>(n * n)));
+  // E4M3 x E4M3 -> bf16 with f32 accumulation, tensor-wide scales left at 1; cuBLASLt takes FP8
+  // operands in the "TN" layout only (A transposed).
+  cublasLtHandle_t handle = nullptr;
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  void* workspace = nullptr;
+  const size_t workspace_bytes = 32u << 20;
+  double s = 0;
+  bool ok = cublasLtCreate(&handle) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatrixLayoutCreate(&a, CUDA_R_8F_E4M3, n, n, n) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatrixLayoutCreate(&b, CUDA_R_8F_E4M3, n, n, n) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatrixLayoutCreate(&d, CUDA_R_16BF, n, n, n) == CUBLAS_STATUS_SUCCESS &&
+            cudaMalloc(&workspace, workspace_bytes) == cudaSuccess;
+  cublasLtMatmulHeuristicResult_t result{};
+  if (ok) {
+    const cublasOperation_t t = CUBLAS_OP_T;
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t));
+    cublasLtMatmulPreference_t pref = nullptr;
+    int found = 0;
+    ok = cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS;
+    if (ok) {
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
+                                           sizeof(workspace_bytes));
+      ok = cublasLtMatmulAlgoGetHeuristic(handle, op, a, b, d, d, pref, 1, &result, &found) == CUBLAS_STATUS_SUCCESS &&
+           found > 0;
+      cublasLtMatmulPreferenceDestroy(pref);
+    }
+  }
+  if (ok) {
+    const float alpha = 1.0f, beta = 0.0f;
+    cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
+    s = seconds_per_call(nullptr, 10, [&] {
+      const cublasStatus_t st = cublasLtMatmul(handle, op, &alpha, w, a, x, b, &beta, y, d, y, d, &result.algo,
+                                               workspace, workspace_bytes, nullptr);
+      if (st != CUBLAS_STATUS_SUCCESS) status = st;
+    });
+    ok = status == CUBLAS_STATUS_SUCCESS;
+  }
+  if (d) cublasLtMatrixLayoutDestroy(d);
+  if (b) cublasLtMatrixLayoutDestroy(b);
+  if (a) cublasLtMatrixLayoutDestroy(a);
+  if (op) cublasLtMatmulDescDestroy(op);
+  if (handle) cublasLtDestroy(handle);
+  cudaFree(workspace);
+  cudaFree(x);
+  cudaFree(w);
+  cudaFree(y);
+  MOE_CHECK(ok && s > 0, kUnsupported, "cuBLASLt ran no E4M3 matmul on this device to measure the FP8 rate");
   return 2.0 * static_cast<double>(n) * n * n / s;
 }
 
