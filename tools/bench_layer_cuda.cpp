@@ -225,7 +225,9 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
               static_cast<float>(a.routing_skew * std::sin(12.9898 * static_cast<double>(e)));
     std::vector<int32_t> ids(static_cast<size_t>(m * top_k));
     std::vector<float> weights(ids.size());
-    route(router, logits.data(), nullptr, m, ids.data(), weights.data());
+    // A router with a correction bias (DeepSeek-V3's) gets a zero one: uniform routing either way.
+    const std::vector<float> bias(static_cast<size_t>(experts), 0.0f);
+    route(router, logits.data(), router.correction_bias ? bias.data() : nullptr, m, ids.data(), weights.data());
     std::vector<uint16_t> xb(static_cast<size_t>(m * hidden));
     for (auto& v : xb) v = f32_to_bf16(nd(rng));
     MOE_CUDA_CHECK(cudaMemcpy(dx.p, xb.data(), xb.size() * 2, cudaMemcpyHostToDevice));

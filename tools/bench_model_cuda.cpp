@@ -226,10 +226,10 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
     std::printf("%s\n", doc.dump(2).c_str());
     return 0;
   }
-  std::printf("moe-bench model %s (%s%s), %.3f B parameters, bf16 on %s (measured: copy %.2f TB/s, "
-              "bf16 matmul %.0f TFLOP/s)\n", dir.c_str(), mc.architecture.c_str(),
-              a.random_weights ? ", random weights" : "", parameter_count(mc) / 1e9, where.c_str(),
-              kCopyBytesPerS / 1e12, kBf16FlopsPerS / 1e12);
+  std::printf("moe-bench model %s (%s%s), %.3f B parameters, %s weights, bf16 activations on %s (measured: copy "
+              "%.2f TB/s, bf16 matmul %.0f TFLOP/s)\n", dir.c_str(), mc.architecture.c_str(),
+              a.random_weights ? ", random weights" : "", parameter_count(mc) / 1e9,
+              mc.quant.weight_format().name().c_str(), where.c_str(), kCopyBytesPerS / 1e12, kBf16FlopsPerS / 1e12);
   std::printf("load %.2f s; device memory: weights %.2f GB, KV cache %.2f GB (%lld blocks), "
               "workspace %.2f GB, graph outputs %.3f GB\n", load_s, mem.weights / 1e9,
               mem.kv_cache / 1e9, (long long)mem.kv_blocks, mem.workspace / 1e9, mem.graph_outputs / 1e9);
