@@ -109,8 +109,12 @@ class WeightLoader {
   void take_into(const std::string& name, const std::vector<int64_t>& shape, float* dst);
   // As take(), but returns an undefined Tensor when the tensor is absent and loading is not strict.
   Tensor take_if_present(const std::string& name, const std::vector<int64_t>& shape);
-  // Marks a tensor as deliberately unused (e.g. an lm_head tied to the embedding).
-  void ignore(const std::string& name) { taken_.insert(name); }
+  // Marks a tensor as deliberately unused (e.g. an lm_head tied to the embedding, another rank's
+  // experts), and the FP8 scale that goes with it where the checkpoint has one.
+  void ignore(const std::string& name) {
+    taken_.insert(name);
+    taken_.insert(name + "_scale_inv");
+  }
   // Marks every checkpoint tensor whose name starts with `prefix` as deliberately unused and
   // returns how many there were (0 without a checkpoint).
   int64_t ignore_prefix(const std::string& prefix);

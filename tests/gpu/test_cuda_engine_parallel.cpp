@@ -188,6 +188,15 @@ void expect_graph_equals_eager_and_batch_equals_alone(const std::string& name, i
   const char* via = dist::ep_backend_name(backend);
   const auto graph_batch = run(true, true);
   EXPECT_EQ(graph_batch, run(false, true)) << name << " " << via << ": graph replay differs from eager decode";
+  if (load_model_config(dir).quant.fp8) {
+    // FP8 experts take the GEMV (bf16 activations) or the W8A8 GEMM (activations rounded to
+    // E4M3) by the rows a step routes to a rank's experts, so a batch and its sequences alone
+    // round differently, by a few percent, enough to flip a greedy token: not compared until
+    // both paths quantise the activations alike.
+    std::printf("[ %s %s ] FP8: a batch against its sequences alone not compared (GEMV and W8A8 paths differ)\n",
+                name.c_str(), via);
+    return;
+  }
   EXPECT_EQ(graph_batch, run(true, false)) << name << " " << via << ": a batch differs from its sequences decoded alone";
 }
 
@@ -209,7 +218,8 @@ INSTANTIATE_TEST_SUITE_P(
     Fixtures, CudaEngineParallel,
     ::testing::Combine(::testing::Values("qwen3_moe_f32", "qwen3_moe_bf16", "mixtral_f32", "mixtral_f16_sharded",
                                          "qwen2_moe_f32", "olmoe_f32", "deepseek_v2_f32", "deepseek_v3_f32",
-                                         "qwen3_moe_yarn_f32", "deepseek_v3_yarn_mtp_legacy_bf16"),
+                                         "qwen3_moe_yarn_f32", "deepseek_v3_yarn_mtp_legacy_bf16", "qwen3_moe_fp8",
+                                         "deepseek_v3_fp8"),
                        ::testing::Values(2, 4)),
     [](const auto& info) { return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "gpus"; });
 
@@ -233,7 +243,8 @@ TEST_P(CudaEngineEpBackends, GraphDecodeEqualsEagerAndBatchEqualsAlone) {
 
 INSTANTIATE_TEST_SUITE_P(
     Fixtures, CudaEngineEpBackends,
-    ::testing::Combine(::testing::Values("qwen3_moe_bf16", "mixtral_f32", "qwen2_moe_f32", "olmoe_f32", "deepseek_v3_f32"),
+    ::testing::Combine(::testing::Values("qwen3_moe_bf16", "mixtral_f32", "qwen2_moe_f32", "olmoe_f32", "deepseek_v3_f32",
+                                         "deepseek_v3_fp8"),
                        ::testing::Values(2, 4),
                        ::testing::Values(dist::EpBackend::kAllgatherReducescatter, dist::EpBackend::kAlltoallPadded,
                                          dist::EpBackend::kAlltoallPacked, dist::EpBackend::kP2p)),
@@ -317,7 +328,7 @@ TEST_P(CudaEngineDataParallel, PrefillsOfEveryRankInOneStepEqualEachAlone) {
 
 INSTANTIATE_TEST_SUITE_P(
     Fixtures, CudaEngineDataParallel,
-    ::testing::Combine(::testing::Values("qwen3_moe_bf16", "qwen2_moe_f32", "deepseek_v3_f32"),
+    ::testing::Combine(::testing::Values("qwen3_moe_bf16", "qwen2_moe_f32", "deepseek_v3_f32", "qwen3_moe_fp8"),
                        ::testing::Values(2, 4),
                        ::testing::Values(dist::EpBackend::kAllgatherReducescatter, dist::EpBackend::kAlltoallPadded,
                                          dist::EpBackend::kAlltoallPacked, dist::EpBackend::kP2p)),

@@ -12,6 +12,7 @@
 #include "io/safetensors.h"
 #include "model/config.h"
 #include "model/weights.h"
+#include "moe/placement.h"
 #include "test_util.h"
 
 namespace moe {
@@ -162,6 +163,32 @@ TEST(Fp8Sink, RandomWeightsFollowThePublishedLayout) {
   // The FP8 destinations are drawn by the sink, whole tensors or their parts.
   EXPECT_EQ(sink.random_.count(sink.at(l0.moe.experts.down.data<float>())), 1u);
   EXPECT_EQ(sink.random_.count(sink.at(l0.attn.q.data<float>())), 1u);
+}
+
+// Under expert parallelism a rank skips the other ranks' experts; strict loading must skip their
+// block scales with them, and still take every scale of its own.
+TEST(Fp8Sink, ARankSkipsTheScalesOfOtherRanksExperts) {
+  for (const char* name : {"qwen3_moe_fp8", "deepseek_v3_fp8"}) {
+    SCOPED_TRACE(name);
+    const ModelConfig mc = load_model_config(fixture(name));
+    Checkpoint ckpt(fixture(name));
+    for (int rank = 0; rank < 2; ++rank) {
+      ExpertSelection sel;
+      sel.global_to_local = ExpertPlacement(mc.moe.num_experts, 2, rank).global_to_local();
+      Arena arena("rank", 8 << 20);
+      WeightLoader loader(ckpt, arena, true);
+      load_with_blocks(mc, loader);
+      const ModelWeights w = load_weights(mc, loader, sel);
+      EXPECT_NO_THROW(loader.finish()) << "rank " << rank;
+      // Its own experts' FP8 weights were read (with their scales), the others' were not.
+      EXPECT_EQ(loader.fp8_tensors(), [&] {
+        int64_t n = 0;
+        for (const std::string& t : ckpt.names())
+          if (ckpt.info(t).dtype == DType::kF8E4M3) ++n;
+        return n - 3 * (mc.moe.num_experts / 2) * mc.num_moe_layers();
+      }()) << "rank " << rank;
+    }
+  }
 }
 
 }  // namespace
