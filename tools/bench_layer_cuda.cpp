@@ -143,7 +143,10 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
 
   std::vector<int64_t> sweep = a.tokens > 0 ? std::vector<int64_t>{a.tokens}
                                             : std::vector<int64_t>{1, 8, 32, 128, 512, 2048, 8192};
-  const int64_t max_m = *std::max_element(sweep.begin(), sweep.end());
+  // Set up for at least 512 tokens, whatever the sweep: the GEMM paths' room (FP8's quantised
+  // activations) exists only where a layer's token range reaches past the GEMV's, and a single
+  // small --tokens must still time every path beside the chosen one.
+  const int64_t max_m = std::max<int64_t>(*std::max_element(sweep.begin(), sweep.end()), 512);
   // bf16: the owning DecodeExperts; FP8: the codes and scales uploaded, the core over them.
   std::unique_ptr<cuda::DecodeExperts> bf16_layer;
   std::unique_ptr<DeviceMem> codes_gu, codes_dn, scales_gu, scales_dn, fp8_ws;
@@ -265,9 +268,9 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
     std::vector<cuda::ExpertPath> paths{chosen};
     const bool sm90 = prop.major == 9 && prop.minor == 0;
     for (cuda::ExpertPath other : {cuda::ExpertPath::kGemv, cuda::ExpertPath::kGemm, cuda::ExpertPath::kWgmma}) {
-      if (other == chosen || !cuda::experts_support(shape, other)) continue;
+      if (other == chosen || !cuda::experts_support(shape, other, core.format())) continue;
       if (other == cuda::ExpertPath::kGemv && m > 256) continue;
-      if (other == cuda::ExpertPath::kWgmma && (!sm90 || fp8)) continue;
+      if (other == cuda::ExpertPath::kWgmma && !sm90) continue;
       paths.push_back(other);
     }
     for (cuda::ExpertPath path : paths) {

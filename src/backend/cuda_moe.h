@@ -26,12 +26,13 @@ enum class ExpertPath {
   kAuto,  // by M, from the heuristics
   kGemv,  // hidden and inter multiples of 8, at most 2048
   kGemm,  // hidden and inter multiples of 64, at most 8192 (mma.sync, any sm_90 build)
-  kWgmma, // the kGemm widths, on wgmma + TMA: devices of compute capability 9.0 only
+  kWgmma, // the kGemm widths (FP8: multiples of 128), on wgmma + TMA: compute capability 9.0 only
 };
 
-// Whether `path` can run this shape (kAuto: whether any can); for kWgmma the device must also be
-// of compute capability 9.0, which forward() checks.
-bool experts_support(const ExpertShape& shape, ExpertPath path);
+// Whether `path` can run this shape (kAuto: whether any can) on weights of `format` (FP8 takes
+// kWgmma only with widths that are multiples of 128); for kWgmma the device must also be of
+// compute capability 9.0, which forward() checks.
+bool experts_support(const ExpertShape& shape, ExpertPath path, const WeightFormat& format = {});
 
 // The non-owning core: the weights and the workspace belong to the caller, so that an engine can
 // draw its weights on the device and share one workspace among all its layers.

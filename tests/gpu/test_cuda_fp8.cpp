@@ -1,7 +1,8 @@
 // FP8 block-scaled weights on the GPU (E4M3 codes, one f32 scale per 128 x 128 block) against
 // the CPU reference on the exactly dequantised weights: the routed experts' GEMV path reading the
-// codes (one token, the direct and the grouped forms) and their widened GEMM paths past it, on
-// ragged routing, idle experts, every token on one expert and widths with partial edge blocks;
+// codes (one token, the direct and the grouped forms) and their W8A8 GEMM paths past it (mma.sync,
+// and wgmma on sm_90), on ragged routing, idle experts, every token on one expert and widths with
+// partial edge blocks;
 // the dense projection's FP8 GEMV and its widened cuBLASLt form; and the engine's weight store
 // holding a checkpoint's FP8 tensors as stored (its bytes are those of the files, not a bf16
 // copy). Outputs poisoned first. Skipped, visibly, where no CUDA device exists.
@@ -92,12 +93,22 @@ Fp8Layer make_layer(int64_t experts, int64_t hidden, int64_t inter, std::mt19937
 constexpr double kGemvBound = 1e-2;
 constexpr double kW8A8Bound = 1e-1;
 
-// The error of a run against the bound of the path it took.
+// The error of a run against the bound of the path it took, and its output.
 struct Checked {
   double rel;
   ExpertPath path;
+  std::vector<float> y;
   bool ok() const { return rel <= (path == ExpertPath::kGemv ? kGemvBound : kW8A8Bound); }
 };
+
+// The Hopper path's code is sm_90a: it runs on compute capability 9.0 only.
+bool device_is_sm90() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return major == 9 && minor == 0;
+}
 
 // Relative Frobenius error of the GPU experts on FP8 weights against run_experts on their
 // values, over up to 64 rows spread across the tokens (every row checked for poison).
@@ -121,7 +132,7 @@ Checked expert_error(const Fp8Layer& l, int64_t tokens, int64_t k, const std::ve
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> y = gputest::from_bf16(dy.download());
   for (float v : y)
-    if (!std::isfinite(v)) return Checked{INFINITY, path};
+    if (!std::isfinite(v)) return Checked{INFINITY, path, y};
 
   std::vector<int64_t> rows;
   for (int64_t t = 0; t < tokens; t += std::max<int64_t>(1, tokens / 64)) rows.push_back(t);
@@ -143,7 +154,17 @@ Checked expert_error(const Fp8Layer& l, int64_t tokens, int64_t k, const std::ve
       num += (got - want) * (got - want);
       den += want * want;
     }
-  return Checked{den > 0 ? std::sqrt(num / den) : INFINITY, path};
+  return Checked{den > 0 ? std::sqrt(num / den) : INFINITY, path, y};
+}
+
+// Relative Frobenius distance of two outputs over every element.
+double distance(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * static_cast<double>(a[i] - b[i]);
+    den += b[i] * static_cast<double>(b[i]);
+  }
+  return den > 0 ? std::sqrt(num / den) : INFINITY;
 }
 
 // k distinct experts per token drawn with weight skew^e: ragged, the last experts idle for
@@ -163,11 +184,13 @@ TEST(CudaFp8, ExpertsOnTheQwenShapeFromDecodeToPrefill) {
   REQUIRE_GPU();
   std::mt19937 rng(11);
   const Fp8Layer l = make_layer(128, 2048, 768, rng);
-  for (int64_t tokens : {1, 3, 8, 33, 200, 300}) {
+  // 2000 tokens: 125 rows an expert, 128-row tiles on the Hopper path.
+  for (int64_t tokens : {1, 3, 8, 33, 200, 300, 2000}) {
     const auto ids = route(128, tokens, 8, 0.97, rng);
-    for (ExpertPath p : {ExpertPath::kAuto, ExpertPath::kGemv, ExpertPath::kGemm}) {
+    for (ExpertPath p : {ExpertPath::kAuto, ExpertPath::kGemv, ExpertPath::kGemm, ExpertPath::kWgmma}) {
       if (p == ExpertPath::kGemv && tokens > 256) continue;
-      const Checked c = expert_error(l, tokens, 8, ids, p, 512, rng);
+      if (p == ExpertPath::kWgmma && !device_is_sm90()) continue;
+      const Checked c = expert_error(l, tokens, 8, ids, p, 2048, rng);
       EXPECT_TRUE(c.ok()) << "M=" << tokens << " path " << static_cast<int>(c.path) << ": " << c.rel;
       std::printf("qwen shape M=%lld path %d: rel %.2e\n", static_cast<long long>(tokens), static_cast<int>(c.path), c.rel);
     }
@@ -187,6 +210,40 @@ TEST(CudaFp8, PartialEdgeBlocksIdleExpertsAndOneExpertForAll) {
       const std::vector<int32_t> one(static_cast<size_t>(tokens), 5);  // top-1, all on expert 5
       const Checked all = expert_error(l, tokens, 1, one, p, 300, rng);
       EXPECT_TRUE(all.ok()) << "one expert, M=" << tokens << " path " << static_cast<int>(all.path) << ": " << all.rel;
+    }
+  }
+}
+
+// The Hopper W8A8 GEMM (wgmma on E4M3, stages of one scale block) against the CPU and against
+// the mma.sync W8A8 GEMM on every element: both quantise the same activations and scale the same
+// products, so they differ only by f32 summation order (and the bf16 roundings it can flip).
+// hidden 384: down's 256-column tiles end past the last row block; 16 experts leave the grids
+// small, so 64-row tiles take 128 weight rows and down splits k; one expert for all takes
+// several 128-row tiles of one expert.
+TEST(CudaFp8, HopperGemmMatchesTheCpuAndTheMmaSyncGemm) {
+  REQUIRE_GPU();
+  if (!device_is_sm90()) GTEST_SKIP() << "the wgmma path needs compute capability 9.0";
+  std::mt19937 rng(15);
+  const Fp8Layer l = make_layer(16, 384, 256, rng);
+  for (int64_t tokens : {10, 40, 150, 280, 1000}) {
+    struct Case {
+      const char* what;
+      int64_t k;
+      std::vector<int32_t> ids;
+    };
+    const std::vector<Case> cases = {{"skewed", 4, route(16, tokens, 4, 0.5, rng)},
+                                     {"one expert", 1, std::vector<int32_t>(static_cast<size_t>(tokens), 5)}};
+    for (const Case& c : cases) {
+      const uint32_t seed = rng();
+      std::mt19937 a(seed), b(seed);  // the same activations and routing weights for both paths
+      const Checked wgmma = expert_error(l, tokens, c.k, c.ids, ExpertPath::kWgmma, 1024, a);
+      const Checked gemm = expert_error(l, tokens, c.k, c.ids, ExpertPath::kGemm, 1024, b);
+      EXPECT_TRUE(wgmma.ok()) << c.what << ", M=" << tokens << ": " << wgmma.rel;
+      EXPECT_TRUE(gemm.ok()) << c.what << ", M=" << tokens << ": " << gemm.rel;
+      const double d = distance(wgmma.y, gemm.y);
+      EXPECT_LE(d, 1e-2) << c.what << ", M=" << tokens;
+      std::printf("%s M=%lld: wgmma rel %.2e, mma.sync rel %.2e, apart %.2e\n", c.what,
+                  static_cast<long long>(tokens), wgmma.rel, gemm.rel, d);
     }
   }
 }
@@ -219,6 +276,21 @@ TEST(CudaFp8, ExpertsRefuseWhatTheyCannotRun) {
                 [&] { e.forward(x.get(), ids.get(), w.get(), 2, y.get(), ws.get(), nullptr, ExpertPath::kGemm); }, &why),
             ErrorKind::kUnsupported);
   EXPECT_NE(why.find("FP8"), std::string::npos) << why;
+  // The Hopper path takes stages of one 128-column block: hidden 448 goes to the mma.sync GEMM.
+  if (device_is_sm90()) {
+    const Fp8Layer edge = make_layer(4, 448, 256, rng);
+    const cuda::ExpertShape s3{4, 448, 256, 2};
+    const cuda::Experts e3(fp8_matrix(edge.gate_up, edge.gate_up_scales, 4, 512, 448),
+                           fp8_matrix(edge.down, edge.down_scales, 4, 448, 256), s3, 64);
+    EXPECT_EQ(e3.path_for(64), ExpertPath::kGemm);
+    DeviceBuffer<unsigned char> ws3(cuda::Experts::workspace_bytes(s3, 64, cuda::kFp8Blocks));
+    DeviceBuffer<uint16_t> x3(448 * 2), y3(448 * 2);
+    EXPECT_EQ(test::error_kind_of(
+                  [&] { e3.forward(x3.get(), ids.get(), w.get(), 2, y3.get(), ws3.get(), nullptr, ExpertPath::kWgmma); },
+                  &why),
+              ErrorKind::kUnsupported);
+    EXPECT_NE(why.find("multiples of 128"), std::string::npos) << why;
+  }
 }
 
 // The dense projection: y = x · wᵀ in f32 for rows 1 to 8 (GEMV on the codes: the weights are

@@ -10,7 +10,7 @@ namespace {
 }
 }  // namespace
 
-bool experts_support(const ExpertShape&, ExpertPath) { return false; }
+bool experts_support(const ExpertShape&, ExpertPath, const WeightFormat&) { return false; }
 
 Experts::Experts(const DeviceMatrix&, const DeviceMatrix&, ExpertShape shape, int64_t max_tokens, int device)
     : gate_up_(nullptr), down_(nullptr), shape_(shape), max_tokens_(max_tokens), device_(device) {

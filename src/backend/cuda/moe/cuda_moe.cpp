@@ -22,12 +22,13 @@ struct Layout {
          act_scales = 0, total = 0;
 };
 
-// Whether FP8 experts can take the GEMM path (W8A8 on mma.sync) for some token count up to
-// max_tokens: the GEMV path takes the rest.
+// Whether FP8 experts can take a W8A8 GEMM path (wgmma or mma.sync) for some token count up to
+// max_tokens: the GEMV path takes the rest. The wgmma rule (prefer_gemv_fp8) leaves the GEMV
+// sooner than the mma.sync one (prefer_gemv), so its test covers both.
 bool fp8_gemm_reachable(const ExpertShape& s, int64_t max_tokens) {
   if (!h::gemm_supports(s.hidden, s.inter)) return false;
   if (!h::gemv_supports(s.hidden, s.inter)) return true;
-  return !h::prefer_gemv(max_tokens, s.top_k, s.experts) || max_tokens > h::kGemvMaxTokensBesideGemm;
+  return !h::prefer_gemv_fp8(max_tokens, s.top_k, s.experts) || max_tokens > h::kGemvMaxTokensBesideGemm;
 }
 
 int64_t scale_cols(int64_t width) { return (width + 127) / 128; }
@@ -111,12 +112,13 @@ const char* path_name(ExpertPath p) {
 
 }  // namespace
 
-bool experts_support(const ExpertShape& s, ExpertPath path) {
+bool experts_support(const ExpertShape& s, ExpertPath path, const WeightFormat& format) {
   const bool gemv = h::gemv_supports(s.hidden, s.inter), gemm = h::gemm_supports(s.hidden, s.inter);
   switch (path) {
     case ExpertPath::kGemv: return gemv;
     case ExpertPath::kGemm: return gemm;
-    case ExpertPath::kWgmma: return h::wgmma_supports(s.hidden, s.inter);
+    case ExpertPath::kWgmma:
+      return format.scaled() ? h::wgmma_fp8_supports(s.hidden, s.inter) : h::wgmma_supports(s.hidden, s.inter);
     default: return gemv || gemm;
   }
 }
@@ -186,16 +188,17 @@ size_t Experts::weight_bytes() const {
 }
 
 ExpertPath Experts::path_for(int64_t tokens) const {
-  if (format_.scaled()) {  // GEMV where the bf16 experts would take it, else the W8A8 GEMM
-    if (!h::gemm_supports(shape_.hidden, shape_.inter)) return ExpertPath::kGemv;
-    if (!h::gemv_supports(shape_.hidden, shape_.inter)) return ExpertPath::kGemm;
-    return h::prefer_gemv(tokens, shape_.top_k, shape_.experts) ? ExpertPath::kGemv : ExpertPath::kGemm;
-  }
-  const ExpertPath large = sm90_ && h::wgmma_supports(shape_.hidden, shape_.inter) ? ExpertPath::kWgmma
-                                                                                  : ExpertPath::kGemm;
+  // FP8: the GEMV in its direct form where the wgmma W8A8 GEMM runs (prefer_gemv_fp8), else where the
+  // bf16 experts would take it; the W8A8 GEMM past it.
+  const bool wgmma = format_.scaled() ? h::wgmma_fp8_supports(shape_.hidden, shape_.inter)
+                                      : h::wgmma_supports(shape_.hidden, shape_.inter);
+  const ExpertPath large = sm90_ && wgmma ? ExpertPath::kWgmma : ExpertPath::kGemm;
   if (!h::gemm_supports(shape_.hidden, shape_.inter)) return ExpertPath::kGemv;
   if (!h::gemv_supports(shape_.hidden, shape_.inter)) return large;
-  return h::prefer_gemv(tokens, shape_.top_k, shape_.experts) ? ExpertPath::kGemv : large;
+  const bool gemv = format_.scaled() && large == ExpertPath::kWgmma
+                        ? h::prefer_gemv_fp8(tokens, shape_.top_k, shape_.experts)
+                        : h::prefer_gemv(tokens, shape_.top_k, shape_.experts);
+  return gemv ? ExpertPath::kGemv : large;
 }
 
 void Experts::forward(const uint16_t* x, const int32_t* ids, const float* weights, int64_t tokens,
@@ -253,7 +256,10 @@ void Experts::run(const uint16_t* x, const int32_t* ids, const float* weights, i
   b.down = down_;
   auto* st = static_cast<cudaStream_t>(stream);
   if (format_.scaled()) {
-    MOE_CHECK(path != ExpertPath::kWgmma, kUnsupported, "the wgmma expert path does not read FP8 weights yet");
+    MOE_CHECK(path != ExpertPath::kWgmma || h::wgmma_fp8_supports(shape_.hidden, shape_.inter), kUnsupported,
+              "the wgmma expert path reads FP8 experts of hidden and intermediate widths that are multiples of "
+              "128 only; got {} and {}",
+              shape_.hidden, shape_.inter);
     MOE_CHECK(path == ExpertPath::kGemv || l.x_fp8 != 0, kUnsupported,
               "the GEMM expert path on FP8 experts needs them set up for token counts past the GEMV's (room for "
               "the quantised activations)");
@@ -284,19 +290,21 @@ void Experts::run(const uint16_t* x, const int32_t* ids, const float* weights, i
   const int m = static_cast<int>(tokens);
   kernels::PartialSums sums;
   if (partials) b.leave_partials = &sums;
+  // The wgmma row tiles: FP8 runs one tile of 64 or 128 rows (heuristics::wgmma_fp8_tile_m).
+  const bool fp8 = format_.scaled();
+  const int wgmma_tile = fp8 ? h::wgmma_fp8_tile_m(tokens, shape_.top_k, shape_.experts)
+                             : h::wgmma_tile_m(tokens, shape_.top_k, shape_.experts);
+  const int wgmma_alt = fp8 ? 0 : h::wgmma_alt_tile(tokens, shape_.top_k, shape_.experts);
   if (partials && x == nullptr) {  // describe only
     if (path == ExpertPath::kWgmma)
-      MOE_CUDA_CHECK(kernels::wgmma_partial_sums(
-          b, m, h::wgmma_tile_m(tokens, shape_.top_k, shape_.experts), &sums));
+      MOE_CUDA_CHECK(kernels::wgmma_partial_sums(b, m, wgmma_tile, &sums));
     else
       sums.bf16 = path == ExpertPath::kGemm;
   } else if (path == ExpertPath::kGemv) {
     MOE_CUDA_CHECK(kernels::launch_decode(b, x, ids, weights, m, y, st));
   } else {
     if (path == ExpertPath::kWgmma)
-      MOE_CUDA_CHECK(kernels::launch_prefill_wgmma(
-          b, x, ids, weights, m, h::wgmma_tile_m(tokens, shape_.top_k, shape_.experts), y, st,
-          h::wgmma_alt_tile(tokens, shape_.top_k, shape_.experts)));
+      MOE_CUDA_CHECK(kernels::launch_prefill_wgmma(b, x, ids, weights, m, wgmma_tile, y, st, wgmma_alt));
     else
       MOE_CUDA_CHECK(kernels::launch_prefill(
           b, x, ids, weights, m, h::gemm_tile_m(tokens, shape_.top_k, shape_.experts), y, st));

@@ -20,7 +20,10 @@
 //    GEMM -> wgmma: qwen3-30b-a3b M = 128: 330 -> 313, 512: 363 -> 339, 2048: 696 -> 535,
 //    8192: 2170 -> 1478; deepseek-v2-lite 128: 314 -> 296, 512: 338 -> 317, 2048: 831 -> 585,
 //    8192: 2690 -> 1677. At M = 8 and 32 it also beats the mma.sync GEMM, but M = 8 stays on
-//    the GEMV by the rule below (GEMV 138 vs wgmma 142 on qwen3).
+//    the GEMV by the rule below (GEMV 138 vs wgmma 142 on qwen3). FP8 experts run it W8A8
+//    (wgmma_fp8_supports): measured on an H100 (moe-bench layer --dtype fp8, 2026-11-26), µs,
+//    mma.sync W8A8 -> wgmma W8A8, qwen3-30b-a3b M = 32: 326 -> 209, 512: 443 -> 274, 2048: 1102
+//    -> 471, 8192: 3330 -> 1362; deepseek-v3 M = 8: 1342 -> 851, 2048: 8808 -> 5767.
 #pragma once
 
 #include <cmath>
@@ -149,12 +152,42 @@ inline bool gemm_supports(int64_t hidden, int64_t inter) {
 // the next rows or zeros there, which no stored column uses).
 inline bool wgmma_supports(int64_t hidden, int64_t inter) { return gemm_supports(hidden, inter); }
 
+// FP8 experts on the Hopper path (W8A8, moe_wgmma_gemm.cu): a stage is 128 k, one scale block,
+// so both widths must be multiples of 128; elsewhere they take the mma.sync W8A8 GEMM. Row tiles
+// of 64 or 128 with no alternative per forward: a consumer keeps a stage's products beside its
+// sums, which leaves room for 128 weight rows a consumer, not the 256-row tiles' two sub-tiles.
+// 128-row tiles start from 56 rows an expert on average rather than the bf16 path's 64, where a
+// good share of the experts would spill into a second, nearly empty 64-row tile that reads all
+// of their weights again. Measured (moe-bench layer --dtype fp8, H100, 2026-11-26, the tile
+// forced), µs, 64 -> 128 rows: deepseek-v3 M = 2048 (64 rows an expert) 5783 -> 4471;
+// qwen3-30b-a3b M = 768 (48) 292 -> 317, M = 1024 (64) 324 -> 333, M = 1536 (96) 446 -> 369.
+// The qwen3 loss at 64 rows (3%) is kept for deepseek-v3's gain (29%); rows between 48 and 64
+// on deepseek-v3 are not measured yet.
+constexpr double kWgmmaFp8TallFrom = 56.0;
+inline bool wgmma_fp8_supports(int64_t hidden, int64_t inter) {
+  return wgmma_supports(hidden, inter) && hidden % 128 == 0 && inter % 128 == 0;
+}
+inline int wgmma_fp8_tile_m(int64_t tokens, int64_t top_k, int64_t experts) {
+  const double per_expert = static_cast<double>(tokens * top_k) / static_cast<double>(experts);
+  return per_expert > kWgmmaFp8TallFrom ? 128 : 64;
+}
+
 // The path for M tokens when the shape allows both.
 inline bool prefer_gemv(int64_t tokens, int64_t top_k, int64_t experts) {
   if (tokens > kGemvMaxTokensBesideGemm) return false;
   const int64_t slots = tokens * top_k;
   const int64_t touched = slots < experts ? slots : experts;
   return static_cast<double>(slots) / static_cast<double>(touched) <= kGemvMaxSlotsPerExpert;
+}
+
+// FP8 experts where the wgmma W8A8 GEMM runs: the GEMV only in its direct form (at most
+// kGemvDirectMaxSlots slots, no plan kernel). Halving the weight bytes leaves the GEMV's fixed
+// costs a larger share, and past the direct form the GEMM wins. Measured (moe-bench layer
+// --device cuda --preset qwen3-30b-a3b --dtype fp8, H100, 2026-11-26), µs, GEMV vs wgmma: M = 1
+// 25.6 vs 38.9, 2: 42.6 vs 55.6, 3 (24 slots): 56.9 vs 77.2; M = 4 (32 slots, the grouped GEMV)
+// 88.5 vs 83.3, 6: 117.9 vs 103.0, 8: 144.7 vs 122.5, 16: 240.8 vs 169.0.
+inline bool prefer_gemv_fp8(int64_t tokens, int64_t top_k, int64_t experts) {
+  return tokens * top_k <= kGemvDirectMaxSlots && prefer_gemv(tokens, top_k, experts);
 }
 
 // The wgmma path's blocks take 256 weight rows (output columns) each; where the worst-case grid

@@ -11,6 +11,7 @@
 #include "backend/cuda/moe/moe_heuristics.h"
 #include "backend/cuda/moe/moe_wgmma_gemm.h"
 #include "backend/cuda/moe/moe_wgmma_launch.h"
+#include "backend/cuda/ops/fp8_blocks_launch.h"
 
 namespace moe::cuda::kernels {
 
@@ -20,6 +21,7 @@ using wgmma_detail::kStepK;
 using wgmma_detail::LaunchShape;
 
 cudaError_t launch_shape(const ExpertBuffers& b, int tokens, int tile_m, LaunchShape* s) {
+  s->tokens = tokens;
   s->max_tiles = static_cast<int>(
       heuristics::max_row_tiles(static_cast<int64_t>(tokens) * b.top_k, b.experts, tile_m));
   int device = 0;
@@ -54,6 +56,11 @@ cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const in
                                  cudaStream_t stream, int tile_alt) {
   if (!valid_tile(tile_m) || (tile_alt != 0 && !valid_alt(tile_m, tile_alt))) return cudaErrorInvalidValue;
   if (b.hidden % kStepK != 0 || b.inter % kStepK != 0) return cudaErrorInvalidValue;
+  const bool fp8 = b.gate_up_scales != nullptr;
+  // FP8: stages of one 128-column scale block, one tile per forward, room for the quantised rows.
+  if (fp8 && (b.hidden % (2 * kStepK) != 0 || b.inter % (2 * kStepK) != 0 || tile_m == 256 || tile_alt != 0 ||
+              b.down_scales == nullptr || b.x_fp8 == nullptr || b.act_fp8 == nullptr))
+    return cudaErrorInvalidValue;
   LaunchShape shape, alt_shape;
   cudaError_t err = launch_shape(b, tokens, tile_m, &shape);
   // Mixed row tiles keep tile_m's plan, hence its shape.
@@ -64,7 +71,8 @@ cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const in
   // tiles exist on grids of 256 weight rows only.
   if (tile_alt != 0 && (shape.sums.splits != 1 || alt_shape.sums.splits != 1)) tile_alt = 0;
   if (tile_alt == heuristics::kWgmmaMixedTiles && shape.narrow) tile_alt = 0;
-  err = launch_plan(b, ids, tokens, tile_m, stream, tile_alt);
+  if (fp8) err = quantize_rows_fp8(x, tokens, nullptr, b.hidden, b.x_fp8, b.x_scales, stream);
+  if (err == cudaSuccess) err = launch_plan(b, ids, tokens, tile_m, stream, tile_alt);
   if (err == cudaSuccess) err = wgmma_detail::run_tile(b, x, weights, tile_m, shape, stream);
   if (err == cudaSuccess && tile_alt != 0) {
     ExpertBuffers alt = b;

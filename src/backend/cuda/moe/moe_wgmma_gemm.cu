@@ -17,6 +17,9 @@
 // gate_up puts 64 (or 128) gate rows and the matching up rows in one tile, so each consumer
 // thread holds gate and up of the same act column. Mixed row tiles (below, picked per forward by
 // the plan) run 128 x 256 and 256 x 128 items in one grid.
+// FP8 experts (kFp8, W8A8): the same ring over E4M3 codes, a stage 128 k (one scale block) in the
+// same 128-byte rows, wgmma m64nNk32 e4m3, each stage's products scaled into the f32 sums by the
+// activation row's and the weight block's scales; tiles of 64 x 256, 64 x 128 or 128 x 128.
 // This file holds the kernel, its tile configurations, the tensor maps of the weights and the
 // launch of both GEMMs for one row tile (run_tile, moe_wgmma_gemm.h); the entry sizes the forward
 // and runs the plan and the combine around them, and the sm_90a instructions the pipeline is made
@@ -33,6 +36,7 @@
 #include "backend/cuda/moe/moe_wgmma_gemm.h"
 #include "backend/cuda/pdl.h"
 #include "backend/cuda/moe/sm90_async.cuh"
+#include "backend/cuda/ops/fp8_blocks_launch.h"
 
 // The compute_90 (PTX fallback) pass compiles the kernel body out (it needs sm_90a), which leaves
 // the helpers and tile constants below unreferenced there: not worth a warning per helper.
@@ -45,12 +49,15 @@ namespace {
 using namespace sm90;
 
 constexpr int BK = wgmma_detail::kStepK;  // one 128-byte swizzle atom of bf16 along k
+// k of a stage by operand format: the same 128 bytes a row, so FP8 steps 128 (one scale block).
+template <bool kFp8>
+constexpr int kStageK = kFp8 ? 2 * BK : BK;
 
 // BM activation rows x BN weight rows per block: BN 256 normally, 128 where the grid of 256-row
 // tiles would leave multiprocessors idle (heuristics::wgmma_narrow_tiles). BM 256 goes with BN
 // 128 only: the same 48 KB a stage and 128 accumulators a consumer thread as BM 128 x BN 256,
 // for experts whose rows would leave a second, nearly empty 128-row tile re-reading the weights.
-template <int BM, int BN>
+template <int BM, int BN, bool kFp8 = false>
 struct Cfg {
   static_assert(BN == 256 || BN == 128, "weight rows per block");
   static_assert(BM == 64 || BM == 128 || (BM == 256 && BN == 128), "row tile");
@@ -63,7 +70,10 @@ struct Cfg {
   static constexpr int kABytes = BM * BK * 2;
   static constexpr int kBBytes = BN * BK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages = BM == 64 ? 5 : 4;  // 200 KB / 192 KB (128 KB at BM 128 x BN 128)
+  // bf16: 200 KB / 192 KB (128 KB at BM 128 x BN 128). FP8 stages carry twice the k, so a stage
+  // takes half the tensor-core time: as many as fit in 200 KB, to keep the gathers' L2 latency
+  // covered.
+  static constexpr int kStages = kFp8 ? (204800 / kStageBytes < 8 ? 204800 / kStageBytes : 8) : BM == 64 ? 5 : 4;
   // A producer thread arrives on stage kt's full barrier once it has issued stage kt + kLag
   // (waiting for its own copies of kt then), so that kLag + 1 gathers are in flight per thread
   // while consumers still find the stage ready one step ahead.
@@ -120,8 +130,8 @@ __device__ __forceinline__ void store_row_pairs(__nv_bfloat16* at, uint32_t (&v)
 // 128 registers, so a consumer takes its 64 x 256 of a 128 x 256 item as two m64n128 halves. One
 // producer warpgroup with Cfg<128, 256>'s register split instead (m64n256 kept) spilled in
 // gate_up's consumers and cost its ordinary items 1.5% (docs/perf/mixed-row-tiles.md).
-template <int BM, int BN, bool kMixed>
-using RingOf = std::conditional_t<kMixed, Cfg<256, 128>, Cfg<BM, BN>>;
+template <int BM, int BN, bool kMixed, bool kFp8 = false>
+using RingOf = std::conditional_t<kMixed, Cfg<256, 128>, Cfg<BM, BN, kFp8>>;
 static_assert(Cfg<128, 256>::kStageBytes == Cfg<256, 128>::kStageBytes &&
                   Cfg<128, 256>::kStages == Cfg<256, 128>::kStages && Cfg<256, 128>::kBoxRows == 64,
               "mixed tiles share one ring");
@@ -149,19 +159,22 @@ struct TileShape {
 // flight while gate_up finishes; only the activation gather waits for gate_up.
 // out: gate_up: bf16 act [slots, inter]; down: bf16 partial sums [slots, hidden], or with
 // splits > 1 f32 ones [splits, split_stride slots, hidden].
-template <int BM, int BN, bool kGateUp, bool kMixed>
-__global__ void __launch_bounds__(RingOf<BM, BN, kMixed>::kThreads, 1) wgmma_gemm_kernel(
-    const __grid_constant__ CUtensorMap wmap, const __nv_bfloat16* __restrict__ a_src,
-    const int* __restrict__ order, const int* __restrict__ offsets,
+template <int BM, int BN, bool kGateUp, bool kMixed, bool kFp8>
+__global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgmma_gemm_kernel(
+    const __grid_constant__ CUtensorMap wmap, const void* __restrict__ a_src, const float* __restrict__ a_scales,
+    const float* __restrict__ w_scales, const int* __restrict__ order, const int* __restrict__ offsets,
     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
     const int* __restrict__ num_tiles, const float* __restrict__ weights, int hidden, int inter,
     int top_k, int col_tiles, int splits, long long split_stride, void* __restrict__ out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!kMixed || (BM == 128 && BN == 256), "mixed tiles: 128 x 256 and 256 x 128");
-  using R = RingOf<BM, BN, kMixed>;
+  using R = RingOf<BM, BN, kMixed, kFp8>;
+  static_assert(!kFp8 || (!kMixed && Cfg<BM, BN>::WN <= 128 && Cfg<BM, BN>::kSubs == 1),
+                "FP8 tiles: one m64 sub-tile of at most 128 weight rows a consumer");
   constexpr int S = R::kStages;
+  constexpr int SK = kStageK<kFp8>;
   const int K = kGateUp ? hidden : inter;
-  const int KT = K / BK;
+  const int KT = K / SK;
   const int w_rows = kGateUp ? 2 * inter : hidden;
   struct Item {
     int tile, ct, split, kt0, kt1;  // row tile, column tile, k-steps [kt0, kt1)
@@ -217,7 +230,7 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed>::kThreads, 1) wgmma_gem
       for (int bx = 0; bx < boxes; ++bx) {
         const int wr = kGateUp ? w.e * w_rows + bx / (boxes / 2) * inter + w.ct * (bn / 2) + bx % (boxes / 2) * 64
                                : w.e * w_rows + w.ct * bn + bx * 64;
-        tma_load_2d(sb + bx * 64 * 128, &wmap, kt * BK, wr, full(s));
+        tma_load_2d(sb + bx * 64 * 128, &wmap, kt * SK, wr, full(s));
       }
     } else {
       using C = Cfg<BM, BN>;
@@ -233,7 +246,7 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed>::kThreads, 1) wgmma_gem
         } else {
           wr = w.e * w_rows + w.ct * BN + bx * C::kBoxRows;
         }
-        tma_load_2d(sb + bx * C::kBoxRows * 128, &wmap, kt * BK, wr, full(s));
+        tma_load_2d(sb + bx * C::kBoxRows * 128, &wmap, kt * SK, wr, full(s));
       }
     }
   };
@@ -277,9 +290,11 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed>::kThreads, 1) wgmma_gem
       constexpr int kARows = decltype(rows)::value / kPass;
       // Each row's source: a pointer, or with two producer warpgroups (producers of 40 registers)
       // its start in 16-byte chunks (32 bits: at most 2^19 slots x 2^10 chunks), which keeps the
-      // producer within its registers.
+      // producer within its registers. In bytes: a stage is 128 bytes of every row either way.
       constexpr bool kChunks = R::kProducerWGs > 1;
-      const __nv_bfloat16* a_ptr[kChunks ? 1 : kARows];
+      const auto* a_bytes = static_cast<const unsigned char*>(a_src);
+      const int row_bytes = K * (kFp8 ? 1 : 2);
+      const unsigned char* a_ptr[kChunks ? 1 : kARows];
       uint32_t a_chunk[kChunks ? kARows : 1];
       uint32_t a_ok = 0;
 #pragma unroll
@@ -288,8 +303,8 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed>::kThreads, 1) wgmma_gem
         const bool ok = p < w.row_end;  // rows past the expert's end keep an in-bounds address
         if (ok) a_ok |= 1u << i;
         const uint32_t row = kGateUp ? (ok ? order[p] / top_k : 0) : (ok ? p : w.row0);
-        if constexpr (kChunks) a_chunk[i] = row * static_cast<uint32_t>(K / 8) + chunk;
-        else a_ptr[i] = a_src + size_t{row} * K + chunk * 8;
+        if constexpr (kChunks) a_chunk[i] = row * static_cast<uint32_t>(row_bytes / 16) + chunk;
+        else a_ptr[i] = a_bytes + size_t{row} * row_bytes + chunk * 16;
       }
       for (int kt = f.kt0; kt < f.kt1; ++kt, ++it) {
         const int s = it % S;
@@ -299,9 +314,9 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed>::kThreads, 1) wgmma_gem
 #pragma unroll
         for (int i = 0; i < kARows; ++i) {
           const int r = rsub + kPass * i;
-          const __nv_bfloat16* src;
-          if constexpr (kChunks) src = a_src + size_t{a_chunk[i]} * 8 + kt * BK;
-          else src = a_ptr[i] + kt * BK;
+          const unsigned char* src;
+          if constexpr (kChunks) src = a_bytes + size_t{a_chunk[i]} * 16 + kt * 128;
+          else src = a_ptr[i] + kt * 128;
           // Rows past the expert's end are zero-filled rather than skipped: leaving them out
           // measured slower (qwen3-30b-a3b M = 2048: 670 -> 682 µs).
           cp_async16(sa + r * 128 + ((chunk ^ (r & 7)) << 4), src, (a_ok >> i) & 1u);
@@ -420,7 +435,71 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed>::kThreads, 1) wgmma_gem
         __syncwarp();
         if (lane == 0) mbar_arrive(empty((it - 1) % S));  // the item's last stage, before the stores
       };
-      if (U == 1 || subs == U) k_loop(std::integral_constant<int, U>{});
+      // FP8 (W8A8): a stage's 128 k go into `prod` (its first k32 step overwriting it), which is
+      // then added into acc times the stage's scales: the activation row's (per row and 128
+      // columns, quantize_rows_fp8) times the weight block's (gate_up's gate and up columns have
+      // one each). A consumer must see its own stage's products before scaling them, so it waits
+      // for them every stage; the other consumer's wgmmas keep the tensor cores busy meanwhile.
+      // The next stage's scales are loaded while this one's products run.
+      if constexpr (kFp8) {
+        int arow[2];  // the scale rows of this thread's two accumulator rows (-1: past the expert)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int p = prow[0][h];
+          arow[h] = p >= row_end ? -1 : kGateUp ? order[p] / top_k : p;
+        }
+        const float* ws = w_scales + static_cast<size_t>(w.e) * ((w_rows + 127) / 128) * KT;
+        const int first = kGateUp ? ct * (TN / 2) + part * C::kBoxRows : ct * TN + part * C::WN;
+        const float* w_first = ws + first / 128 * KT;
+        const float* w_second = kGateUp ? ws + (inter + first) / 128 * KT : w_first;
+        // A stage's scales as loaded: multiplied only where used, a stage later, so that the
+        // loads' L2 latency hides under the stage before (a product at load time would wait for
+        // them at once).
+        struct StageScales {
+          float w_first, w_second, a[2];
+        };
+        auto load_scales = [&](int kt, StageScales& sc) {
+          sc.w_first = __ldg(w_first + kt);
+          sc.w_second = __ldg(w_second + kt);
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            sc.a[h] = arow[h] < 0 ? 0.f : __ldg(a_scales + static_cast<size_t>(arow[h]) * KT + kt);
+        };
+        float prod[C::WN / 2];
+        auto stage = [&](int kt, const StageScales& use, StageScales& fill) {
+          const int s = it % S;
+          if (kt + 1 < f.kt1) load_scales(kt + 1, fill);
+          mbar_wait(full(s), (it / S) & 1);
+          const uint32_t sa = base + s * R::kStageBytes + a_off;
+          const uint32_t sb = base + s * R::kStageBytes + C::kABytes + b_off;
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            wgmma_tile_e4m3<C::WN>(prod, sw128_desc(sa + kk * 32), sw128_desc(sb + kk * 32), kk);
+          wgmma_commit();
+          wgmma_wait<0>();
+          fence_regs(prod);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty(s));
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float first = use.a[h] * use.w_first, second = use.a[h] * use.w_second;
+#pragma unroll
+            for (int j = 0; j < C::WN / 8; ++j) {
+              const float sc = j < C::WN / 16 ? first : second;
+              acc[0][4 * j + 2 * h] += prod[4 * j + 2 * h] * sc;
+              acc[0][4 * j + 2 * h + 1] += prod[4 * j + 2 * h + 1] * sc;
+            }
+          }
+          ++it;
+        };
+        StageScales even{}, odd{};  // the scales of even and odd k-steps, loaded a step ahead
+        if (f.kt0 < f.kt1) load_scales(f.kt0, even);
+        for (int kt = f.kt0; kt < f.kt1; kt += 2) {
+          stage(kt, even, odd);
+          if (kt + 1 < f.kt1) stage(kt + 1, odd, even);
+        }
+      } else if (U == 1 || subs == U) k_loop(std::integral_constant<int, U>{});
       else if (U == 2 && subs == 1) k_loop(std::integral_constant<int, 1>{});
       else k_loop(std::integral_constant<int, 0>{});
 
@@ -505,31 +584,37 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// bf16 [rows, k] row-major, boxes of 64 (k) x box_rows, 128-byte swizzle. Boxes past the last row
-// read zeros.
-cudaError_t weight_map(CUtensorMap* map, const void* w, uint64_t rows, uint64_t k, uint32_t box_rows) {
+// bf16 or FP8 codes [rows, k] row-major, boxes of 128 bytes (k) x box_rows, 128-byte swizzle.
+// Boxes past the last row read zeros.
+cudaError_t weight_map(CUtensorMap* map, const void* w, uint64_t rows, uint64_t k, uint32_t box_rows, bool fp8) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
+  const uint64_t elem_bytes = fp8 ? 1 : 2;
   const cuuint64_t dims[2] = {k, rows};
-  const cuuint64_t strides[1] = {k * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(BK), box_rows};
+  const cuuint64_t strides[1] = {k * elem_bytes};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / elem_bytes), box_rows};
   const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(w), dims, strides, box,
+  const CUtensorMapDataType type = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUresult r = encode(map, type, 2, const_cast<void*>(w), dims, strides, box,
                             elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <int BM, int BN, bool kMixed = false>
+// FP8 (kFp8): x is b.x_fp8 with b.x_scales, already quantised (launch_prefill_wgmma); act is
+// quantised into b.act_fp8 between the two GEMMs (its routed rows only).
+template <int BM, int BN, bool kMixed = false, bool kFp8 = false>
 cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weights, int max_tiles,
-                      int splits, long long split_stride, int sms, cudaStream_t stream) {
-  using R = RingOf<BM, BN, kMixed>;
+                      int splits, long long split_stride, int tokens, int sms, cudaStream_t stream) {
+  using R = RingOf<BM, BN, kMixed, kFp8>;
   CUtensorMap gate_up_map, down_map;
-  cudaError_t err = weight_map(&gate_up_map, b.gate_up, uint64_t(b.experts) * 2 * b.inter, b.hidden, R::kBoxRows);
-  if (err == cudaSuccess) err = weight_map(&down_map, b.down, uint64_t(b.experts) * b.hidden, b.inter, R::kBoxRows);
+  cudaError_t err =
+      weight_map(&gate_up_map, b.gate_up, uint64_t(b.experts) * 2 * b.inter, b.hidden, R::kBoxRows, kFp8);
+  if (err == cudaSuccess)
+    err = weight_map(&down_map, b.down, uint64_t(b.experts) * b.hidden, b.inter, R::kBoxRows, kFp8);
   if (err != cudaSuccess) return err;
-  auto* gate_up = wgmma_gemm_kernel<BM, BN, true, kMixed>;
-  auto* down = wgmma_gemm_kernel<BM, BN, false, kMixed>;
+  auto* gate_up = wgmma_gemm_kernel<BM, BN, true, kMixed, kFp8>;
+  auto* down = wgmma_gemm_kernel<BM, BN, false, kMixed, kFp8>;
   // Per device, not a stream operation: harmless inside a graph capture.
   err = cudaFuncSetAttribute(gate_up, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSmem);
   if (err == cudaSuccess) err = cudaFuncSetAttribute(down, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSmem);
@@ -539,14 +624,23 @@ cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weight
   auto* act = static_cast<__nv_bfloat16*>(b.act);
   const int gu_cols = (b.inter + BN / 2 - 1) / (BN / 2), down_cols = (b.hidden + BN - 1) / BN;
   const int gu_items = max_tiles * gu_cols, down_items = max_tiles * down_cols * splits;
+  const void* a_up = kFp8 ? b.x_fp8 : x;
+  const float* a_up_scales = kFp8 ? b.x_scales : nullptr;
   err = launch_dependent(gate_up, dim3(gu_items < sms ? gu_items : sms), dim3(R::kThreads), R::kSmem, stream,
-                         gate_up_map, static_cast<const __nv_bfloat16*>(x), b.order, b.offsets,
+                         gate_up_map, a_up, a_up_scales, b.gate_up_scales, b.order, b.offsets,
                          b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden, b.inter, b.top_k,
                          gu_cols, 1, 0LL, static_cast<void*>(act));
   if (err != cudaSuccess) return err;
+  const void* a_down = act;
+  if constexpr (kFp8) {
+    // A plain launch: it starts once gate_up has completed, and down waits for it in turn.
+    err = quantize_rows_fp8(act, tokens * b.top_k, b.offsets + b.experts, b.inter, b.act_fp8, b.act_scales, stream);
+    if (err != cudaSuccess) return err;
+    a_down = b.act_fp8;
+  }
   return launch_dependent(down, dim3(down_items < sms ? down_items : sms), dim3(R::kThreads), R::kSmem,
-                          stream, down_map, static_cast<const __nv_bfloat16*>(act), b.order, b.offsets,
-                          b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden, b.inter, b.top_k,
+                          stream, down_map, a_down, kFp8 ? b.act_scales : nullptr, b.down_scales, b.order,
+                          b.offsets, b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden, b.inter, b.top_k,
                           down_cols, splits, split_stride, b.part);
 }
 
@@ -557,17 +651,28 @@ namespace wgmma_detail {
 cudaError_t run_tile(const ExpertBuffers& b, const void* x, const float* weights, int tile_m,
                      const LaunchShape& shape, cudaStream_t stream) {
   const bool narrow = shape.narrow;
-  const int max_tiles = shape.max_tiles, sms = shape.sms, splits = shape.sums.splits;
+  const int max_tiles = shape.max_tiles, sms = shape.sms, splits = shape.sums.splits, tokens = shape.tokens;
   const long long stride = shape.sums.split_stride;
+  if (b.gate_up_scales != nullptr) {
+    // FP8 keeps a stage's products beside the sums, so a consumer takes at most 128 weight rows
+    // (64 + 128 accumulators a thread): 64-row tiles split 256 weight rows over both consumers,
+    // 128-row tiles take 128 weight rows whether narrow or not.
+    if (tile_m == 64)
+      return narrow ? run_gemms<64, 128, false, true>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream)
+                    : run_gemms<64, 256, false, true>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream);
+    if (tile_m == 128)
+      return run_gemms<128, 128, false, true>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream);
+    return cudaErrorInvalidValue;
+  }
   if (tile_m == 64)
-    return narrow ? run_gemms<64, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
-                  : run_gemms<64, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
+    return narrow ? run_gemms<64, 128>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream)
+                  : run_gemms<64, 256>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream);
   if (tile_m == 256)  // 128-row weight tiles whether narrow or not
-    return run_gemms<256, 128>(b, x, weights, max_tiles, splits, stride, sms, stream);
+    return run_gemms<256, 128>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream);
   if (tile_m == heuristics::kWgmmaMixedTiles)  // not narrow (launch_prefill_wgmma)
-    return run_gemms<128, 256, true>(b, x, weights, max_tiles, splits, stride, sms, stream);
-  return narrow ? run_gemms<128, 128>(b, x, weights, max_tiles, splits, stride, sms, stream)
-                : run_gemms<128, 256>(b, x, weights, max_tiles, splits, stride, sms, stream);
+    return run_gemms<128, 256, true>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream);
+  return narrow ? run_gemms<128, 128>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream)
+                : run_gemms<128, 256>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream);
 }
 
 }  // namespace wgmma_detail

@@ -18,6 +18,9 @@ namespace moe::cuda::kernels {
 // of the tile not picked exit at once. Taken only where both leave their partial sums in one form.
 // tile_alt heuristics::kWgmmaMixedTiles (beside tile_m 128, on grids of 256 weight rows): mixed
 // row tiles, an expert of 129 to 256 rows run as one 256-row tile.
+// FP8 experts (b.gate_up_scales set, W8A8): x and act are quantised per row and 128 columns into
+// b.x_fp8 and b.act_fp8, and each stage's products are scaled by the activation row's and the
+// weight block's scales; hidden and inter multiples of 128, tile_m 64 or 128, no tile_alt.
 cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const int* ids,
                                  const float* weights, int tokens, int tile_m, void* y,
                                  cudaStream_t stream, int tile_alt = 0);
