@@ -28,7 +28,7 @@ if [ "${MOE_SKIP_FUZZ:-0}" != 1 ]; then
   cmake --build --preset fuzz -j "$jobs"
   # The library is instrumented too, so each target explores the parser it drives. A crash
   # fails the stage with the fuzzer's report; its input then becomes a unit test.
-  for target in safetensors tokenizer config chat_template http; do
+  for target in safetensors tokenizer config chat_template http step_wire; do
     corpus=$(mktemp -d)
     log=$(mktemp)
     cp fuzz/corpus/$target/* "$corpus"/

@@ -1,0 +1,205 @@
+#include "runtime/step_wire.h"
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "moe/errors.h"
+
+namespace moe::runtime {
+
+// The messages are the host's own bytes: every machine this runs on is little-endian.
+static_assert(std::endian::native == std::endian::little, "the step messages are little-endian");
+
+namespace {
+
+// The first 8 bytes of every message: a tag, the format version, the kind.
+constexpr char kMagic[4] = {'m', 'o', 'e', 'S'};
+enum class Kind : uint16_t { kPlan = 1, kResult = 2 };
+
+const char* kind_name(Kind k) { return k == Kind::kPlan ? "step plan" : "step result"; }
+
+class Writer {
+ public:
+  template <typename T>
+  void put(T v) {
+    const size_t at = bytes_.size();
+    bytes_.resize(at + sizeof(T));
+    std::memcpy(bytes_.data() + at, &v, sizeof(T));
+  }
+  template <typename T>
+  void put_all(const T* p, size_t n) {
+    const size_t at = bytes_.size();
+    bytes_.resize(at + n * sizeof(T));
+    if (n > 0) std::memcpy(bytes_.data() + at, p, n * sizeof(T));
+  }
+  void header(Kind kind) {
+    put_all(kMagic, 4);
+    put(kStepWireVersion);
+    put(static_cast<uint16_t>(kind));
+  }
+  std::vector<uint8_t> take() { return std::move(bytes_); }
+
+ private:
+  std::vector<uint8_t> bytes_;
+};
+
+// Reads the message front to back; every read first checks that the bytes are there.
+class Reader {
+ public:
+  Reader(std::span<const uint8_t> bytes, Kind kind) : bytes_(bytes), kind_(kind) {
+    need(8, "its header");
+    MOE_CHECK(std::memcmp(bytes_.data(), kMagic, 4) == 0, kFormat, "{}: not a step message (bad tag)",
+              kind_name(kind_));
+    at_ = 4;
+    const auto version = get<uint16_t>("its version");
+    MOE_CHECK(version == kStepWireVersion, kFormat, "{}: format version {}, this build reads version {}",
+              kind_name(kind_), version, kStepWireVersion);
+    const auto k = get<uint16_t>("its kind");
+    MOE_CHECK(k == static_cast<uint16_t>(kind_), kFormat, "{}: the message is of kind {}, not {}", kind_name(kind_),
+              k, static_cast<uint16_t>(kind_));
+  }
+  template <typename T>
+  T get(const char* what) {
+    need(sizeof(T), what);
+    T v;
+    std::memcpy(&v, bytes_.data() + at_, sizeof(T));
+    at_ += sizeof(T);
+    return v;
+  }
+  // A count of items of `item_bytes` each that must all be in the message.
+  size_t count(size_t item_bytes, const char* what) {
+    const auto n = get<uint32_t>(what);
+    MOE_CHECK(item_bytes == 0 || n <= (bytes_.size() - at_) / item_bytes, kFormat,
+              "{}: {} says {} items of {} bytes, but {} bytes are left", kind_name(kind_), what, n, item_bytes,
+              bytes_.size() - at_);
+    return n;
+  }
+  template <typename T>
+  void get_all(T* p, size_t n, const char* what) {
+    need(n * sizeof(T), what);
+    if (n > 0) std::memcpy(p, bytes_.data() + at_, n * sizeof(T));
+    at_ += n * sizeof(T);
+  }
+  void finish() {
+    MOE_CHECK(at_ == bytes_.size(), kFormat, "{}: {} bytes past its end", kind_name(kind_), bytes_.size() - at_);
+  }
+  const char* name() const { return kind_name(kind_); }
+
+ private:
+  void need(size_t n, const char* what) {
+    MOE_CHECK(n <= bytes_.size() - at_, kFormat, "{}: truncated in {} ({} bytes needed at byte {}, {} left)",
+              kind_name(kind_), what, n, at_, bytes_.size() - at_);
+  }
+  std::span<const uint8_t> bytes_;
+  Kind kind_;
+  size_t at_ = 0;
+};
+
+// A row on the wire: seq, offset, count (i32), sample (u8), temperature (f32), top_k (i32),
+// top_p (f32), seed (u64), draw (i64), logits (u8).
+constexpr size_t kRowBytes = 4 + 4 + 4 + 1 + 4 + 4 + 4 + 8 + 8 + 1;
+
+}  // namespace
+
+std::vector<uint8_t> encode_plan(const StepPlan& plan) {
+  MOE_CHECK(plan.tokens.size() <= std::numeric_limits<uint32_t>::max() &&
+                plan.rows.size() <= std::numeric_limits<uint32_t>::max(),
+            kInvalidArgument, "step plan: {} tokens and {} rows do not fit a message", plan.tokens.size(),
+            plan.rows.size());
+  Writer w;
+  w.header(Kind::kPlan);
+  w.put(static_cast<uint32_t>(plan.tokens.size()));
+  w.put_all(plan.tokens.data(), plan.tokens.size());
+  w.put(static_cast<uint32_t>(plan.rows.size()));
+  for (const StepRow& r : plan.rows) {
+    w.put(r.seq);
+    w.put(r.offset);
+    w.put(r.count);
+    w.put(static_cast<uint8_t>(r.sample ? 1 : 0));
+    w.put(r.sampling.temperature);
+    w.put(static_cast<int32_t>(r.sampling.top_k));
+    w.put(r.sampling.top_p);
+    w.put(r.sampling.seed);
+    w.put(r.draw);
+    w.put(static_cast<uint8_t>(r.logits));
+  }
+  return w.take();
+}
+
+StepPlan decode_plan(std::span<const uint8_t> bytes) {
+  Reader in(bytes, Kind::kPlan);
+  StepPlan plan;
+  plan.tokens.resize(in.count(4, "the token count"));
+  in.get_all(plan.tokens.data(), plan.tokens.size(), "the tokens");
+  plan.rows.resize(in.count(kRowBytes, "the row count"));
+  for (size_t i = 0; i < plan.rows.size(); ++i) {
+    StepRow& r = plan.rows[i];
+    r.seq = in.get<int32_t>("a row");
+    r.offset = in.get<int32_t>("a row");
+    r.count = in.get<int32_t>("a row");
+    const auto sample = in.get<uint8_t>("a row");
+    MOE_CHECK(sample <= 1, kFormat, "{}: row {} has sample flag {} (0 or 1)", in.name(), i, sample);
+    r.sample = sample == 1;
+    r.sampling.temperature = in.get<float>("a row");
+    r.sampling.top_k = in.get<int32_t>("a row");
+    r.sampling.top_p = in.get<float>("a row");
+    MOE_CHECK(std::isfinite(r.sampling.temperature) && std::isfinite(r.sampling.top_p), kFormat,
+              "{}: row {} has a non-finite temperature or top_p", in.name(), i);
+    r.sampling.seed = in.get<uint64_t>("a row");
+    r.draw = in.get<int64_t>("a row");
+    const auto logits = in.get<uint8_t>("a row");
+    MOE_CHECK(logits <= static_cast<uint8_t>(RowLogits::kAll), kFormat, "{}: row {} asks for logits of kind {} (0-2)",
+              in.name(), i, logits);
+    r.logits = static_cast<RowLogits>(logits);
+  }
+  in.finish();
+  return plan;
+}
+
+std::vector<uint8_t> encode_result(const StepResult& result) {
+  Writer w;
+  w.header(Kind::kResult);
+  w.put(static_cast<uint32_t>(result.tokens.size()));
+  w.put_all(result.tokens.data(), result.tokens.size());
+  w.put(static_cast<uint32_t>(result.logits.size()));
+  for (const Tensor& t : result.logits) {
+    if (!t.defined()) {  // a row that asked for none
+      w.put(uint32_t{0});
+      w.put(uint32_t{0});
+      continue;
+    }
+    MOE_CHECK(t.dtype() == DType::kF32 && t.ndim() == 2 && t.dim(0) >= 1 && t.dim(1) >= 1 &&
+                  t.dim(0) <= std::numeric_limits<uint32_t>::max() && t.dim(1) <= std::numeric_limits<uint32_t>::max(),
+              kInternal, "step result: logits of {} {} where f32 [rows, vocab] was expected", dtype_name(t.dtype()),
+              t.shape_str());
+    w.put(static_cast<uint32_t>(t.dim(0)));
+    w.put(static_cast<uint32_t>(t.dim(1)));
+    w.put_all(t.data<float>(), static_cast<size_t>(t.numel()));
+  }
+  return w.take();
+}
+
+StepResult decode_result(std::span<const uint8_t> bytes) {
+  Reader in(bytes, Kind::kResult);
+  StepResult result;
+  result.tokens.resize(in.count(4, "the token count"));
+  in.get_all(result.tokens.data(), result.tokens.size(), "the tokens");
+  result.logits.resize(in.count(8, "the logits count"));
+  for (Tensor& t : result.logits) {
+    const auto rows = in.get<uint32_t>("a logits shape"), cols = in.get<uint32_t>("a logits shape");
+    if (rows == 0 && cols == 0) continue;
+    MOE_CHECK(rows >= 1 && cols >= 1, kFormat, "{}: logits of shape [{}, {}]", in.name(), rows, cols);
+    // The size is checked before the tensor is made: a forged shape must not allocate.
+    const uint64_t n = uint64_t{rows} * cols;
+    MOE_CHECK(n <= (bytes.size() / 4), kFormat, "{}: logits [{}, {}] are larger than the message", in.name(), rows,
+              cols);
+    t = Tensor::zeros({rows, cols});
+    in.get_all(t.data<float>(), static_cast<size_t>(n), "the logits");
+  }
+  in.finish();
+  return result;
+}
+
+}  // namespace moe::runtime
