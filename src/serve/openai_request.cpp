@@ -24,7 +24,7 @@ using ojson = nlohmann::ordered_json;
 const std::set<std::string>& known_fields(bool chat) {
   static const std::set<std::string> common = {
       "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-      "n", "presence_penalty", "frequency_penalty", "logit_bias", "user", "logprobs"};
+      "n", "presence_penalty", "frequency_penalty", "logit_bias", "user", "logprobs", "ignore_eos"};
   static const std::set<std::string> completions = [] {
     auto s = common;
     s.insert({"prompt", "echo", "best_of", "suffix"});
@@ -257,7 +257,8 @@ PreparedRequest RequestPreparer::prepare(std::string_view text, bool chat) const
       add(*stop);
     }
   }
-  r.options.stop_ids = config_.eos_token_ids;
+  // vLLM's extension, which load generators send so that every request runs to max_tokens.
+  if (!boolean(body, "ignore_eos", false)) r.options.stop_ids = config_.eos_token_ids;
 
   // The prompt, counted while it is tokenized.
   const char* prompt_param = chat ? "messages" : "prompt";

@@ -116,6 +116,11 @@ TEST(OpenAiRequest, SamplingFields) {
   EXPECT_EQ(refused(api, many + "]}").param, "stop");
   EXPECT_EQ(refused(api, R"({"prompt": "a", "stop": ")" + std::string(600, 'x') + "\"}").param, "stop");
   EXPECT_EQ(refused(api, R"({"prompt": "a", "stop": [""]})").param, "stop");
+  // The end-of-text token stops a request unless it asks to run to max_tokens.
+  EXPECT_EQ(api.preparer.prepare(R"({"prompt": "a"})", false).options.stop_ids, (std::vector<int32_t>{151645}));
+  EXPECT_TRUE(api.preparer.prepare(R"({"prompt": "a", "ignore_eos": true})", false).options.stop_ids.empty());
+  EXPECT_EQ(api.preparer.prepare(R"({"prompt": "a", "ignore_eos": false})", false).options.stop_ids.size(), 1u);
+  EXPECT_EQ(refused(api, R"({"prompt": "a", "ignore_eos": 1})").param, "ignore_eos");
 }
 
 TEST(OpenAiRequest, PromptsAndTheirLimits) {

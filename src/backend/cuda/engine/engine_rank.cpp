@@ -49,17 +49,24 @@ void Rank::setup(const std::string& dir) {
   dl.tp = tp;
   model = load_device_model(dir, mc, dl);
   blas = std::make_unique<Blas>();
-  // Room to widen the largest FP8 dense matrix for steps past the GEMV (projection.cpp).
+  // Room for steps past the GEMV on FP8 dense matrices (projection.cpp): the activations
+  // quantised for the W8A8 GEMM, and the largest matrix widened for shapes that GEMM does not take.
   size_t widest = 0;
+  int64_t widest_cols = 0;
   auto widens = [&](const DeviceMatrix& m) {
-    if (m && m.format.scaled()) widest = std::max(widest, static_cast<size_t>(m.rows * m.cols));
+    if (!m || !m.format.scaled()) return;
+    widest = std::max(widest, static_cast<size_t>(m.rows * m.cols));
+    widest_cols = std::max(widest_cols, m.cols);
   };
   widens(model->lm_head);
   for (const DeviceLayer& L : model->layers)
     for (const DeviceMatrix* m : {&L.q, &L.k, &L.v, &L.o, &L.q_a, &L.q_b, &L.kv_a, &L.mlp_gate_up, &L.mlp_down,
                                   &L.shared_gate_up, &L.shared_down, &L.shared_gate})
       widens(*m);
-  if (widest > 0 && max_tokens > kernels::kGemvMaxRows) blas->reserve_widened(widest);
+  if (widest > 0 && max_tokens > kernels::kGemvMaxRows) {
+    blas->reserve_widened(widest);
+    blas->reserve_fp8_rows(max_tokens, widest_cols);
+  }
 
   if (exchanges) setup_exchange();
   Shapes shapes{max_tokens, logit_rows, 0, 0};

@@ -5,6 +5,16 @@
 #include "backend/cuda/ops/gemv_launch.h"
 
 namespace moe::cuda {
+namespace {
+
+void gemv_fp8(const void* x, const DeviceMatrix& w, void* y, OutType out, int64_t m, cudaStream_t stream,
+              int64_t ldy) {
+  MOE_CUDA_CHECK(kernels::gemv_fp8(x, w.data, w.scales, y, out == OutType::kF32, static_cast<int>(m),
+                                   static_cast<int>(w.rows), static_cast<int>(w.cols),
+                                   static_cast<int>(ldy ? ldy : w.rows), stream));
+}
+
+}  // namespace
 
 void project(Blas& blas, const void* x, const DeviceMatrix& w, void* y, OutType out, int64_t m, cudaStream_t stream,
              int64_t ldy) {
@@ -15,14 +25,31 @@ void project(Blas& blas, const void* x, const DeviceMatrix& w, void* y, OutType 
   }
   MOE_CHECK(w.format == kFp8Blocks, kUnsupported, "dense projection: no CUDA kernel reads {} weights",
             w.format.name());
-  // A few rows: the weight-streaming GEMV reads the codes. More: the matrix widened to bf16 for
-  // cuBLASLt (a W8A8 GEMM is to replace this).
+  // A few rows: the weight-streaming GEMV reads the codes.
   if (m <= kernels::kGemvMaxRows && w.cols % 16 == 0) {
-    MOE_CUDA_CHECK(kernels::gemv_fp8(x, w.data, w.scales, y, out == OutType::kF32, static_cast<int>(m),
-                                     static_cast<int>(w.rows), static_cast<int>(w.cols),
-                                     static_cast<int>(ldy ? ldy : w.rows), stream));
+    gemv_fp8(x, w, y, out, m, stream, ldy);
     return;
   }
+  // More: W8A8, x quantised per row and 128 columns, on cuBLASLt's block-scaled GEMM, which takes
+  // row counts that are multiples of 4 (blas.h); the last one to three rows go through the GEMV
+  // (the weights are then in L2). This is the numerics of the engines these checkpoints are
+  // deployed on (activations rounded to E4M3 per 128 values), not the CPU reference's.
+  const int64_t head = m / kFp8BlockRowMultiple * kFp8BlockRowMultiple;
+  if (w.cols % (128 * kFp8BlockColumnMultiple) == 0 && w.format.block_rows == 128 && w.format.block_cols == 128 && blas.has_fp8_rows(head, w.cols)) {
+    const Blas::Fp8Rows room = blas.fp8_rows(head, w.cols);
+    MOE_CUDA_CHECK(kernels::quantize_rows_fp8_by_block(x, static_cast<int>(head), static_cast<int>(w.cols), room.codes,
+                                                       room.scales, stream));
+    if (blas.linear_fp8_blocks(room.codes, room.scales, w.data, w.scales, y, out, head, w.rows, w.cols, stream, ldy)) {
+      if (head < m) {
+        const size_t y_size = out == OutType::kF32 ? 4 : 2;
+        gemv_fp8(static_cast<const uint16_t*>(x) + head * w.cols, w,
+                 static_cast<char*>(y) + static_cast<size_t>(head * (ldy ? ldy : w.rows)) * y_size, out, m - head,
+                 stream, ldy);
+      }
+      return;
+    }
+  }
+  // Otherwise the matrix widened to bf16 for cuBLASLt.
   uint16_t* wide = blas.widened(static_cast<size_t>(w.rows * w.cols));
   MOE_CUDA_CHECK(kernels::dequantize_fp8_blocks(static_cast<const uint8_t*>(w.data), w.scales, 1, w.rows, w.cols,
                                                 static_cast<int>(w.format.block_rows),

@@ -1,8 +1,9 @@
 // Dense projections by weight format: the one place a projection's kernel is chosen from its
 // weight's format (backend/device_matrix.h). bf16 weights run through Blas (the weight-streaming
 // GEMV for a few rows, cuBLASLt otherwise); FP8 blocks through the same GEMV reading the codes
-// for a few rows, else widened to bf16 into Blas's reserved room first; a format without kernels
-// is refused with one line naming it. A new format adds its case here and its kernels, not a new
+// for a few rows, else W8A8 on cuBLASLt's block-scaled GEMM (x quantised into Blas's reserved
+// room), or, for shapes it does not take, widened to bf16 into Blas's reserved room first; a
+// format without kernels is refused with one line naming it. A new format adds its case here and its kernels, not a new
 // signature for callers.
 #pragma once
 

@@ -1,5 +1,7 @@
 #include "backend/cuda/ops/blas.h"
 
+#include <algorithm>
+
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/ops/gemv_launch.h"
 
@@ -42,6 +44,7 @@ Blas::~Blas() {
   for (auto& [key, p] : plans_) destroy(p.op, p.a, p.b, p.d);
   if (workspace_) cudaFree(workspace_);
   if (widened_) cudaFree(widened_);
+  if (fp8_rows_) cudaFree(fp8_rows_);
   if (handle_) cublasLtDestroy(handle_);
 }
 
@@ -60,21 +63,60 @@ uint16_t* Blas::widened(size_t elements) const {
   return widened_;
 }
 
+void Blas::reserve_fp8_rows(int64_t rows, int64_t cols) {
+  if (rows <= fp8_rows_cap_ && cols <= fp8_cols_cap_) return;
+  rows = std::max(rows, fp8_rows_cap_);
+  cols = std::max(cols, fp8_cols_cap_);
+  if (fp8_rows_) cudaFree(fp8_rows_);
+  fp8_rows_ = nullptr;
+  fp8_rows_cap_ = fp8_cols_cap_ = 0;
+  fp8_rows_bytes_ = 0;
+  // Codes first, then the scales at a 256-byte boundary.
+  const size_t codes = (static_cast<size_t>(rows * cols) + 255) / 256 * 256;
+  const size_t bytes = codes + static_cast<size_t>(rows * ((cols + 127) / 128)) * sizeof(float);
+  MOE_CUDA_CHECK(cudaMalloc(&fp8_rows_, bytes));
+  fp8_rows_cap_ = rows;
+  fp8_cols_cap_ = cols;
+  fp8_rows_bytes_ = bytes;
+}
+
+Blas::Fp8Rows Blas::fp8_rows(int64_t rows, int64_t cols) const {
+  MOE_CHECK(rows <= fp8_rows_cap_ && cols <= fp8_cols_cap_, kInternal,
+            "{} FP8 activation rows of {} values, room for {} of {}", rows, cols, fp8_rows_cap_, fp8_cols_cap_);
+  const size_t codes = (static_cast<size_t>(fp8_rows_cap_ * fp8_cols_cap_) + 255) / 256 * 256;
+  return {fp8_rows_, reinterpret_cast<float*>(fp8_rows_ + codes)};
+}
+
 // Row-major y = x · wᵀ is, read column-major, yᵀ[n, m] = w[n, k] · xᵀ[k, m]: A is w stored as a
 // column-major [k, n] matrix used transposed, B is x stored as column-major [k, m].
-const Blas::Plan& Blas::plan(const Key& key) {
+// For FP8 blocks, w's scales are per 128 x 128 block and x's per 128 values of k, the inner
+// dimension of both (the scale pointers are set per call).
+const Blas::Plan* Blas::plan(const Key& key) {
   auto it = plans_.find(key);
-  if (it != plans_.end()) return it->second;
-  const auto [out, m, n, k, ldx, ldy, batch, x_stride, w_stride, y_stride, al_x, al_w, al_y] = key;
+  if (it != plans_.end()) return it->second.op ? &it->second : nullptr;
+  const auto [out, m, n, k, ldx, ldy, batch, x_stride, w_stride, y_stride, al_x, al_w, al_y, fp8] = key;
   Plan p;
   const cudaDataType_t dtype = out == static_cast<int64_t>(OutType::kF32) ? CUDA_R_32F : CUDA_R_16BF;
+  const cudaDataType_t in = fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
   try {
     MOE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t transpose = CUBLAS_OP_T;
     MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose,
                                                     sizeof(transpose)));
-    MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, k, n, k));
-    MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, k, m, ldx));
+    if (fp8) {
+      const cublasLtMatmulMatrixScale_t w_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+                                        x_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+      MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &w_mode,
+                                                      sizeof(w_mode)));
+      MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &x_mode,
+                                                      sizeof(x_mode)));
+      // The heuristic finds no algorithm while the scale pointers are null: stand-ins until the
+      // call sets the real ones.
+      for (const auto attribute : {CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER})
+        MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, attribute, &workspace_, sizeof(workspace_)));
+    }
+    MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, in, k, n, k));
+    MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, in, k, m, ldx));
     MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, dtype, n, m, ldy));
     if (batch > 1) {
       const int32_t count = static_cast<int32_t>(batch);
@@ -101,6 +143,11 @@ const Blas::Plan& Blas::plan(const Key& key) {
     const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.d, p.d,
                                                                  pref, 1, &result, &found);
     cublasLtMatmulPreferenceDestroy(pref);
+    if (fp8 && (status != CUBLAS_STATUS_SUCCESS || found == 0)) {
+      destroy(p.op, p.a, p.b, p.d);
+      plans_.emplace(key, Plan{});
+      return nullptr;
+    }
     MOE_CHECK(status == CUBLAS_STATUS_SUCCESS && found > 0, kUnsupported,
               "cuBLASLt has no bf16 algorithm for m={} n={} k={} batch={} (status {})", m, n, k,
               batch, static_cast<int>(status));
@@ -109,7 +156,7 @@ const Blas::Plan& Blas::plan(const Key& key) {
     destroy(p.op, p.a, p.b, p.d);
     throw;
   }
-  return plans_.emplace(key, p).first->second;
+  return &plans_.emplace(key, p).first->second;
 }
 
 void Blas::linear(const void* x, const void* w, void* y, OutType out, int64_t m, int64_t n,
@@ -131,11 +178,31 @@ void Blas::linear_batched(const void* x, int64_t ldx, int64_t x_stride, const vo
     return;
   }
   const Key key{static_cast<int64_t>(out), m, n, k, ldx, ldy, batch, x_stride, w_stride, y_stride,
-                alignment(x), alignment(w), alignment(y)};
-  const Plan& p = plan(key);
+                alignment(x), alignment(w), alignment(y), 0};
+  const Plan& p = *plan(key);
   const float alpha = 1.0f, beta = 0.0f;
   MOE_CUBLAS_CHECK(cublasLtMatmul(handle_, p.op, &alpha, w, p.a, x, p.b, &beta, y, p.d, y, p.d,
                                   &p.algo, workspace_, workspace_bytes_, stream));
+}
+
+bool Blas::linear_fp8_blocks(const void* x, const float* x_scales, const void* w, const float* w_scales, void* y,
+                             OutType out, int64_t m, int64_t n, int64_t k, cudaStream_t stream, int64_t ldy) {
+  if (m < 1 || m % kFp8BlockRowMultiple != 0 || n < 1 || k % (128 * kFp8BlockColumnMultiple) != 0 || !x_scales ||
+      !w_scales ||
+      (reinterpret_cast<uintptr_t>(x_scales) | reinterpret_cast<uintptr_t>(w_scales)) % 16 != 0)
+    return false;
+  const Key key{static_cast<int64_t>(out), m, n, k, k, ldy == 0 ? n : ldy, 1, 0, 0, 0,
+                alignment(x), alignment(w), alignment(y), 1};
+  const Plan* p = plan(key);
+  if (!p) return false;
+  MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scales,
+                                                  sizeof(w_scales)));
+  MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scales,
+                                                  sizeof(x_scales)));
+  const float alpha = 1.0f, beta = 0.0f;
+  MOE_CUBLAS_CHECK(cublasLtMatmul(handle_, p->op, &alpha, w, p->a, x, p->b, &beta, y, p->d, y, p->d,
+                                  &p->algo, workspace_, workspace_bytes_, stream));
+  return true;
 }
 
 }  // namespace moe::cuda

@@ -31,9 +31,9 @@ __global__ void dequantize_kernel(const uint4* __restrict__ codes, const float* 
   }
 }
 
-// A warp per 128 columns of a row, four values a lane.
+// A warp per 128 columns of a row, four values a lane. by_block: scales [blocks, rows].
 __global__ void quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int rows, const int* __restrict__ rows_on_device,
-                                     int cols, uint8_t* __restrict__ q, float* __restrict__ scales) {
+                                     int cols, uint8_t* __restrict__ q, float* __restrict__ scales, bool by_block) {
   const int n = rows_on_device ? min(rows, *rows_on_device) : rows;
   const int per_row = (cols + 127) / 128, lane = threadIdx.x % 32;
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
@@ -59,21 +59,34 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int ro
         packed |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(v[i] / scale, __NV_SATFINITE, __NV_E4M3)) << (8 * i);
       *reinterpret_cast<uint32_t*>(q + row * cols + col) = packed;
     }
-    if (lane == 0) scales[row * per_row + col / 128] = scale;
+    if (lane == 0) scales[by_block ? (long long)(col / 128) * rows + row : row * per_row + col / 128] = scale;
   }
+}
+
+}  // namespace
+
+namespace {
+
+cudaError_t quantize_rows(const void* x, int rows, const int* rows_on_device, int cols, void* q, float* scales,
+                          bool by_block, cudaStream_t stream) {
+  if (rows < 0 || cols < 16 || cols % 16 != 0) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  const long long warps = (long long)rows * ((cols + 127) / 128);
+  const unsigned blocks = static_cast<unsigned>(warps / 8 + 1 < 65536 ? warps / 8 + 1 : 65536);
+  quantize_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, rows_on_device, cols,
+                                                   static_cast<uint8_t*>(q), scales, by_block);
+  return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t quantize_rows_fp8(const void* x, int rows, const int* rows_on_device, int cols, void* q, float* scales,
                               cudaStream_t stream) {
-  if (rows < 0 || cols < 16 || cols % 16 != 0) return cudaErrorInvalidValue;
-  if (rows == 0) return cudaSuccess;
-  const long long warps = (long long)rows * ((cols + 127) / 128);
-  const unsigned blocks = static_cast<unsigned>(warps / 8 + 1 < 65536 ? warps / 8 + 1 : 65536);
-  quantize_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, rows_on_device, cols,
-                                                   static_cast<uint8_t*>(q), scales);
-  return cudaGetLastError();
+  return quantize_rows(x, rows, rows_on_device, cols, q, scales, false, stream);
+}
+
+cudaError_t quantize_rows_fp8_by_block(const void* x, int rows, int cols, void* q, float* scales, cudaStream_t stream) {
+  return quantize_rows(x, rows, nullptr, cols, q, scales, true, stream);
 }
 
 cudaError_t dequantize_fp8_blocks(const uint8_t* codes, const float* scales, long long count, long long rows,

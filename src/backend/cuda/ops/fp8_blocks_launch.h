@@ -24,5 +24,8 @@ cudaError_t dequantize_fp8_blocks(const uint8_t* codes, const float* scales, lon
 // quantise (at most `rows`, read on the device).
 cudaError_t quantize_rows_fp8(const void* x, int rows, const int* rows_on_device, int cols, void* q, float* scales,
                               cudaStream_t stream);
+// The same with the scales block-major, [ceil(cols / 128), rows]: the layout of cuBLASLt's
+// per-128 activation scales (Blas::linear_fp8_blocks).
+cudaError_t quantize_rows_fp8_by_block(const void* x, int rows, int cols, void* q, float* scales, cudaStream_t stream);
 
 }  // namespace moe::cuda::kernels
