@@ -1,5 +1,8 @@
-// Pieces shared by the command-line tools: the error boundary, list parsing, tokenizer lookup.
+// Pieces shared by the command-line tools: the error boundary, list parsing, tokenizer lookup,
+// the parallel-layout flags.
 #pragma once
+
+#include <CLI/CLI.hpp>
 
 #include <functional>
 #include <string>
@@ -19,5 +22,15 @@ std::string tokenizer_path(const std::string& model_dir, const std::string& expl
 
 // Shortest text that reads back as the same f32.
 std::string format_float(float value);
+
+// --ep, --tp, --dp and --ep-backend, worded alike in every tool; the layout itself is checked
+// by dist::DistConfig before any weight is read.
+struct ParallelFlags {
+  int* ep;
+  int* tp;
+  int* dp;
+  std::string* ep_backend;
+};
+void add_parallel_flags(CLI::App* app, const ParallelFlags& flags);
 
 }  // namespace moe::cli

@@ -34,19 +34,10 @@ int main(int argc, char** argv) {
   model->add_option("--input-len", ma.input_len, "prompt tokens per sequence")->capture_default_str();
   model->add_option("--output-len", ma.output_len, "generated tokens per sequence")->capture_default_str();
   model->add_option("--threads", ma.threads, "CPU threads in all (0: all)");
-  model->add_option("--ep", ma.ep, "expert-parallel ranks: threads on cpu, GPUs on cuda")->capture_default_str();
-  model->add_option("--tp", ma.tp, "cuda: tensor-parallel attention over the --ep GPUs (1 or the --ep value)")
-      ->capture_default_str();
-  model->add_option("--dp", ma.dp,
-                    "cuda: data-parallel attention over the --ep GPUs, the batch spread over them (--dp N --ep N "
-                    "with an exchanging --ep-backend)")
-      ->capture_default_str();
-  model->add_option("--ep-backend", ma.ep_backend,
-                    "how tokens reach the experts of other ranks: local_allreduce | allgather_reducescatter | "
-                    "alltoall_padded | alltoall_packed | p2p (cuda)")->capture_default_str();
+  moe::cli::add_parallel_flags(model, {&ma.ep, &ma.tp, &ma.dp, &ma.ep_backend});
   model->add_option("--exec", ma.exec, "naive | grouped")->capture_default_str();
   model->add_option("--device", ma.device, "cpu | cuda")->capture_default_str();
-  model->add_option("--batches", ma.batches, "cuda: decode batch sizes on one loaded model, e.g. 1,8,64")
+  model->add_option("--batches", ma.batches, "cuda: decode batch sizes on one loaded model, e.g. 1,8,64 (spread over the GPUs under --dp)")
       ->delimiter(',');
   model->add_option("--prefill-len", ma.prefill_len, "cuda: also time prompts of N tokens alone (median of 3, after one untimed)");
   model->add_flag("--profile", ma.profile, "cuda: time one eager decode step per operation");

@@ -108,18 +108,7 @@ struct Common {
 };
 
 void add_parallel_flags(CLI::App* cmd, Common& c) {
-  cmd->add_option("--ep", c.ep, "expert-parallel ranks: threads on the CPU, GPUs with --device cuda")
-      ->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--tp", c.tp, "tensor-parallel attention over the --ep GPUs (1 or the --ep value; cuda only)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--dp", c.dp,
-                  "data-parallel attention: each of the --ep GPUs runs attention for its own sequences (cuda; "
-                  "--dp N --ep N with an exchanging --ep-backend)")
-      ->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--ep-backend", c.ep_backend,
-                  "how tokens reach the experts of other ranks: local_allreduce | allgather_reducescatter | "
-                  "alltoall_padded | alltoall_packed | p2p (cuda)")
-      ->capture_default_str();
+  moe::cli::add_parallel_flags(cmd, {&c.ep, &c.tp, &c.dp, &c.ep_backend});
   cmd->add_option("--exec", c.exec, "routed-expert execution: naive | grouped")->capture_default_str();
   cmd->add_flag("--expert-stats", c.expert_stats, "print tokens per expert per layer on stderr");
   cmd->add_option("--device", c.device, "cpu | cuda (bf16; --ep N --tp N: N GPUs)")->capture_default_str();

@@ -67,24 +67,13 @@ int main(int argc, char** argv) {
     app.add_option("--device", device, "cpu | cuda (the CUDA engine, decode steps from CUDA graphs)");
     int tp = 1, ep = 1, dp = 1;
     std::string ep_backend = "local_allreduce";
-    app.add_option("--ep", ep, "expert-parallel ranks holding 1/ep of the routed experts each: threads on the CPU, GPUs with --device cuda")
-        ->capture_default_str();
-    app.add_option("--ep-backend", ep_backend,
-                   "how tokens reach the experts of other ranks: local_allreduce | allgather_reducescatter | "
-                   "alltoall_padded | alltoall_packed | p2p (cuda)")
-        ->capture_default_str();
-    app.add_option("--tp", tp, "cuda: tensor-parallel attention over the --ep GPUs (1 or the --ep value)")
-        ->capture_default_str();
-    app.add_option("--dp", dp,
-                   "cuda: data-parallel attention, each of the --ep GPUs serving its own requests with its own KV "
-                   "cache (--dp N --ep N with an exchanging --ep-backend; --max-batch and --kv-blocks per GPU)")
-        ->capture_default_str();
+    moe::cli::add_parallel_flags(&app, {&ep, &tp, &dp, &ep_backend});
     bool random_weights = false;
     app.add_flag("--random-weights", random_weights, "cuda: config.json only, weights drawn on the device");
     app.add_option("-t,--threads", threads, "CPU threads for the model (0: all)");
-    app.add_option("--max-batch", max_batch, "requests running at once")->capture_default_str();
+    app.add_option("--max-batch", max_batch, "requests running at once (per GPU under --dp)")->capture_default_str();
     app.add_option("--max-step-tokens", cfg.max_step_tokens, "tokens computed per step")->capture_default_str();
-    app.add_option("--kv-blocks", kv_blocks, "KV cache blocks (0: enough for max-batch full contexts; cuda: capped by free memory)");
+    app.add_option("--kv-blocks", kv_blocks, "KV cache blocks (0: enough for max-batch full contexts; cuda: capped by free memory; per GPU under --dp)");
     app.add_option("--block-size", block_size, "tokens per KV block")->capture_default_str();
     app.add_option("--ctx", cfg.max_context, "context per request (0: the model's)");
     app.add_option("--max-prompt-tokens", max_prompt_tokens,

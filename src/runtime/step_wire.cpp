@@ -34,6 +34,13 @@ class Writer {
     bytes_.resize(at + n * sizeof(T));
     if (n > 0) std::memcpy(bytes_.data() + at, p, n * sizeof(T));
   }
+  // A token list: its u32 count, then the ids.
+  void put_tokens(const std::vector<int32_t>& tokens) {
+    MOE_CHECK(tokens.size() <= std::numeric_limits<uint32_t>::max(), kInvalidArgument,
+              "step message: {} tokens do not fit a message", tokens.size());
+    put(static_cast<uint32_t>(tokens.size()));
+    put_all(tokens.data(), tokens.size());
+  }
   void header(Kind kind) {
     put_all(kMagic, 4);
     put(kStepWireVersion);
@@ -82,6 +89,11 @@ class Reader {
     if (n > 0) std::memcpy(p, bytes_.data() + at_, n * sizeof(T));
     at_ += n * sizeof(T);
   }
+  std::vector<int32_t> get_tokens() {
+    std::vector<int32_t> tokens(count(4, "the token count"));
+    get_all(tokens.data(), tokens.size(), "the tokens");
+    return tokens;
+  }
   void finish() {
     MOE_CHECK(at_ == bytes_.size(), kFormat, "{}: {} bytes past its end", kind_name(kind_), bytes_.size() - at_);
   }
@@ -104,14 +116,11 @@ constexpr size_t kRowBytes = 4 + 4 + 4 + 1 + 4 + 4 + 4 + 8 + 8 + 1;
 }  // namespace
 
 std::vector<uint8_t> encode_plan(const StepPlan& plan) {
-  MOE_CHECK(plan.tokens.size() <= std::numeric_limits<uint32_t>::max() &&
-                plan.rows.size() <= std::numeric_limits<uint32_t>::max(),
-            kInvalidArgument, "step plan: {} tokens and {} rows do not fit a message", plan.tokens.size(),
-            plan.rows.size());
+  MOE_CHECK(plan.rows.size() <= std::numeric_limits<uint32_t>::max(), kInvalidArgument,
+            "step plan: {} rows do not fit a message", plan.rows.size());
   Writer w;
   w.header(Kind::kPlan);
-  w.put(static_cast<uint32_t>(plan.tokens.size()));
-  w.put_all(plan.tokens.data(), plan.tokens.size());
+  w.put_tokens(plan.tokens);
   w.put(static_cast<uint32_t>(plan.rows.size()));
   for (const StepRow& r : plan.rows) {
     w.put(r.seq);
@@ -131,8 +140,7 @@ std::vector<uint8_t> encode_plan(const StepPlan& plan) {
 StepPlan decode_plan(std::span<const uint8_t> bytes) {
   Reader in(bytes, Kind::kPlan);
   StepPlan plan;
-  plan.tokens.resize(in.count(4, "the token count"));
-  in.get_all(plan.tokens.data(), plan.tokens.size(), "the tokens");
+  plan.tokens = in.get_tokens();
   plan.rows.resize(in.count(kRowBytes, "the row count"));
   for (size_t i = 0; i < plan.rows.size(); ++i) {
     StepRow& r = plan.rows[i];
@@ -161,8 +169,7 @@ StepPlan decode_plan(std::span<const uint8_t> bytes) {
 std::vector<uint8_t> encode_result(const StepResult& result) {
   Writer w;
   w.header(Kind::kResult);
-  w.put(static_cast<uint32_t>(result.tokens.size()));
-  w.put_all(result.tokens.data(), result.tokens.size());
+  w.put_tokens(result.tokens);
   w.put(static_cast<uint32_t>(result.logits.size()));
   for (const Tensor& t : result.logits) {
     if (!t.defined()) {  // a row that asked for none
@@ -184,8 +191,7 @@ std::vector<uint8_t> encode_result(const StepResult& result) {
 StepResult decode_result(std::span<const uint8_t> bytes) {
   Reader in(bytes, Kind::kResult);
   StepResult result;
-  result.tokens.resize(in.count(4, "the token count"));
-  in.get_all(result.tokens.data(), result.tokens.size(), "the tokens");
+  result.tokens = in.get_tokens();
   result.logits.resize(in.count(8, "the logits count"));
   for (Tensor& t : result.logits) {
     const auto rows = in.get<uint32_t>("a logits shape"), cols = in.get<uint32_t>("a logits shape");

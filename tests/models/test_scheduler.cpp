@@ -3,6 +3,7 @@
 // generates alone through Model::forward; and the pool ends empty.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <map>
 #include <random>
 
@@ -107,6 +108,37 @@ std::vector<int32_t> random_prompt(std::mt19937& rng, int64_t n, int64_t vocab) 
   return p;
 }
 
+using Submitted = std::map<uint64_t, std::pair<std::vector<int32_t>, RequestOptions>>;
+
+RequestOptions greedy(int64_t max_tokens) {
+  RequestOptions o;
+  o.max_tokens = max_tokens;
+  return o;
+}
+
+// Submits `count` requests, request i with options(i) and a random prompt of prompt_len(i) tokens.
+Submitted submit_random(Served& s, std::mt19937& rng, int64_t vocab, int count,
+                        const std::function<int64_t(int)>& prompt_len,
+                        const std::function<RequestOptions(int)>& options) {
+  Submitted submitted;
+  for (int i = 0; i < count; ++i) {
+    const RequestOptions o = options(i);
+    auto prompt = random_prompt(rng, prompt_len(i), vocab);
+    submitted[s.submit(prompt, o)] = {prompt, o};
+  }
+  return submitted;
+}
+
+// Runs the submitted requests to their ends, which must come after some preemption: each output
+// is still the one the request has alone, and no block stays in use.
+void expect_outputs_as_alone_after_preemption(Served& s, Model& model, const Submitted& submitted) {
+  auto got = run_to_end(s);
+  for (const auto& [id, req] : submitted)
+    EXPECT_EQ(got[id].tokens, alone(model, req.first, req.second)) << "request " << id;
+  EXPECT_GT(s.stats().preemptions, 0);
+  EXPECT_EQ(s.stats().blocks_used, 0);
+}
+
 class SchedulerTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override { model = Model::load(fixture_dir(GetParam())); }
@@ -118,15 +150,11 @@ class SchedulerTest : public ::testing::TestWithParam<std::string> {
 TEST_P(SchedulerTest, ConcurrentGreedyRequestsMatchEachAlone) {
   Served s(*model, ServeSetup{.kv_blocks = 200, .block_size = 4, .max_batch = 6, .max_step_tokens = 16});
   std::mt19937 rng(7);
-  std::map<uint64_t, std::pair<std::vector<int32_t>, RequestOptions>> submitted;
+  const Submitted submitted = submit_random(
+      s, rng, model->config().vocab_size, 14, [](int i) { return 1 + (i * 13) % 41; },
+      [](int i) { return greedy(1 + (i * 5) % 11); });
   int64_t need = 0;
-  for (int i = 0; i < 14; ++i) {
-    RequestOptions o;
-    o.max_tokens = 1 + (i * 5) % 11;
-    auto prompt = random_prompt(rng, 1 + (i * 13) % 41, model->config().vocab_size);
-    need += static_cast<int64_t>(prompt.size()) + o.max_tokens - 1;
-    submitted[s.submit(prompt, o)] = {prompt, o};
-  }
+  for (const auto& [id, req] : submitted) need += static_cast<int64_t>(req.first.size()) + req.second.max_tokens - 1;
   auto got = run_to_end(s);
   ASSERT_EQ(got.size(), submitted.size());
   for (const auto& [id, req] : submitted) {
@@ -190,18 +218,9 @@ TEST_P(SchedulerTest, PreemptionWhenBlocksRunOutKeepsOutputs) {
   // 40 tokens for 6 requests of up to 27 tokens each.
   Served s(*model, ServeSetup{.kv_blocks = 10, .block_size = 4, .max_batch = 6, .max_step_tokens = 32});
   std::mt19937 rng(5);
-  std::map<uint64_t, std::pair<std::vector<int32_t>, RequestOptions>> submitted;
-  for (int i = 0; i < 6; ++i) {
-    RequestOptions o;
-    o.max_tokens = 12;
-    auto prompt = random_prompt(rng, 6 + 3 * i, model->config().vocab_size);
-    submitted[s.submit(prompt, o)] = {prompt, o};
-  }
-  auto got = run_to_end(s);
-  for (const auto& [id, req] : submitted)
-    EXPECT_EQ(got[id].tokens, alone(*model, req.first, req.second)) << "request " << id;
-  EXPECT_GT(s.stats().preemptions, 0);
-  EXPECT_EQ(s.stats().blocks_used, 0);
+  const Submitted submitted = submit_random(
+      s, rng, model->config().vocab_size, 6, [](int i) { return 6 + 3 * i; }, [](int) { return greedy(12); });
+  expect_outputs_as_alone_after_preemption(s, *model, submitted);
 }
 
 // Prompts that begin with the same full blocks share them: fewer blocks in use, no recomputation,
@@ -250,20 +269,16 @@ TEST_P(SchedulerTest, IdenticalPromptBlocksAreShared) {
 TEST_P(SchedulerTest, SeededSamplingMatchesAlone) {
   Served s(*model, ServeSetup{.kv_blocks = 12, .block_size = 4, .max_batch = 5, .max_step_tokens = 20});
   std::mt19937 rng(13);
-  std::map<uint64_t, std::pair<std::vector<int32_t>, RequestOptions>> submitted;
-  for (int i = 0; i < 5; ++i) {
-    RequestOptions o;
-    o.max_tokens = 10;
-    o.sampling = {0.5f + 0.25f * static_cast<float>(i), i % 3 == 0 ? 0 : 10 * i,
-                  i % 2 == 0 ? 1.0f : 0.9f, static_cast<uint64_t>(100 + i)};
-    auto prompt = random_prompt(rng, 5 + 4 * i, model->config().vocab_size);
-    submitted[s.submit(prompt, o)] = {prompt, o};
-  }
-  auto got = run_to_end(s);
-  for (const auto& [id, req] : submitted)
-    EXPECT_EQ(got[id].tokens, alone(*model, req.first, req.second)) << "request " << id;
-  EXPECT_GT(s.stats().preemptions, 0);  // some requests resumed with their sampler mid-sequence
-  EXPECT_EQ(s.stats().blocks_used, 0);
+  const Submitted submitted = submit_random(
+      s, rng, model->config().vocab_size, 5, [](int i) { return 5 + 4 * i; },
+      [](int i) {
+        RequestOptions o = greedy(10);
+        o.sampling = {0.5f + 0.25f * static_cast<float>(i), i % 3 == 0 ? 0 : 10 * i, i % 2 == 0 ? 1.0f : 0.9f,
+                      static_cast<uint64_t>(100 + i)};
+        return o;
+      });
+  // Some requests resume with their sampler mid-sequence.
+  expect_outputs_as_alone_after_preemption(s, *model, submitted);
 }
 
 TEST_P(SchedulerTest, StopIdsEndARequestEarly) {

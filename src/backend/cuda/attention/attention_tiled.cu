@@ -114,13 +114,7 @@ __global__ void __launch_bounds__(kThreads) tiled_attention_kernel(const PagedAt
         c[2] = j <= pos_b ? c[2] * scale : -INFINITY;
         c[3] = j + 1 <= pos_b ? c[3] * scale : -INFINITY;
       };
-      const TileMax t = raise_running_max(s, m_a, m_b, causal);
-      m_a = t.m_a;
-      m_b = t.m_b;
-      const RowPair sum = tile_weights_and_sums(s, t);
-      l_a = l_a * t.alpha_a + sum.a;
-      l_b = l_b * t.alpha_b + sum.b;
-      rescale_rows(o, t);
+      online_softmax_tile(s, o, m_a, m_b, l_a, l_b, causal);
 #pragma unroll
       for (int kk = 0; kk < kTileK / 16; ++kk) {
         uint32_t a[4];

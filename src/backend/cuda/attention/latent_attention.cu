@@ -258,13 +258,7 @@ __global__ void __launch_bounds__(kThreads) latent_attention_kernel(const Latent
       s[nt][2] = j <= pos_b && j < end ? acc.z * scale : -INFINITY;
       s[nt][3] = j + 1 <= pos_b && j + 1 < end ? acc.w * scale : -INFINITY;
     }
-    const TileMax t = raise_running_max(s, m_a, m_b, AlreadyMasked{});
-    m_a = t.m_a;
-    m_b = t.m_b;
-    const RowPair sum = tile_weights_and_sums(s, t);
-    l_a = l_a * t.alpha_a + sum.a;
-    l_b = l_b * t.alpha_b + sum.b;
-    rescale_rows(o, t);
+    online_softmax_tile(s, o, m_a, m_b, l_a, l_b, AlreadyMasked{});
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
       uint32_t a[4];

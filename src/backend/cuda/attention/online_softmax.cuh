@@ -129,6 +129,22 @@ __device__ __forceinline__ void rescale_rows(float (&o)[ND][4], const TileMax& t
   }
 }
 
+// One key tile's step of the tiled and latent kernels for a warp's two rows: the tile's scores
+// (masked by `mask`) raise the running maxima m_a, m_b; they become their weights (s then holds
+// the P of O += P V), whose row sums join the running sums l_a, l_b; and the output accumulators
+// are rescaled to the new maxima.
+template <int NT, int ND, class Mask>
+__device__ __forceinline__ void online_softmax_tile(float (&s)[NT][4], float (&o)[ND][4], float& m_a, float& m_b,
+                                                    float& l_a, float& l_b, const Mask& mask) {
+  const TileMax t = raise_running_max(s, m_a, m_b, mask);
+  m_a = t.m_a;
+  m_b = t.m_b;
+  const RowPair sum = tile_weights_and_sums(s, t);
+  l_a = l_a * t.alpha_a + sum.a;
+  l_b = l_b * t.alpha_b + sum.b;
+  rescale_rows(o, t);
+}
+
 // Host side: where a kernel that splits each row's keys over blocks leaves the splits' partial
 // results for their merge, in the caller's workspace: for `rows` (token, head) rows, `splits`
 // outputs of `dim` floats each, then the (m, l) pairs. Both null with one split; a missing

@@ -16,6 +16,24 @@
 #include "moe/errors.h"
 
 namespace moe::cuda::engine {
+namespace {
+
+// The fields both attention kernels' parameters share: where each sequence's rows and cache
+// blocks are in this step, and the host bounds that size the grid.
+template <typename AttentionParams>
+void describe_sequences(AttentionParams& a, const StepMeta& meta, int block_size, int64_t tokens, int64_t seqs,
+                        int64_t max_blocks, int64_t max_context) {
+  a.block_tables = meta.block_tables;
+  a.seq_starts = meta.seq_starts;
+  a.context_lens = meta.context_lens;
+  a.num_seqs = static_cast<int>(seqs);
+  a.tokens = static_cast<int>(tokens);
+  a.block_size = block_size;
+  a.max_blocks_per_seq = static_cast<int>(max_blocks);
+  a.max_context = static_cast<int>(max_context);
+}
+
+}  // namespace
 
 Rank::Rank(const ModelConfig& mc, const EngineOptions& o, int r, int n, const PeerAllReduce* sum, EpLink link)
     : config(mc), opts(o), rank(r), ranks(n), tp(o.tp > 1), dp(o.dp > 1), allreduce(sum), ep_link(link) {
@@ -454,19 +472,12 @@ void Rank::latent_attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max
                lora + rope, tokens, stream);
   mark("absorbed key projection");
   kernels::LatentAttentionParams a;
+  describe_sequences(a, meta, opts.block_size, tokens, seqs, max_blocks, max_context);
   a.q = ws.q;
   a.cache = lc.cache;
-  a.block_tables = meta.block_tables;
-  a.seq_starts = meta.seq_starts;
-  a.context_lens = meta.context_lens;
-  a.num_seqs = static_cast<int>(seqs);
-  a.tokens = lc.tokens;
   a.heads = mq.heads;
   a.lora = lc.lora;
   a.rope = lc.rope;
-  a.block_size = opts.block_size;
-  a.max_blocks_per_seq = static_cast<int>(max_blocks);
-  a.max_context = static_cast<int>(max_context);
   a.scale = c.softmax_scale_factor / std::sqrt(static_cast<float>(qk));
   a.out = ws.mla_o_lat;
   a.workspace = ws.attention;
@@ -517,20 +528,13 @@ void Rank::attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max_contex
   MOE_CUDA_CHECK(kernels::prepare_qkv(ws.qkv, p, stream));
   mark("qk norm, rope, KV write");
   kernels::PagedAttentionParams a;
+  describe_sequences(a, meta, opts.block_size, tokens, seqs, max_blocks, max_context);
   a.q = ws.q;
   a.k_cache = p.k_cache;
   a.v_cache = p.v_cache;
-  a.block_tables = meta.block_tables;
-  a.seq_starts = meta.seq_starts;
-  a.context_lens = meta.context_lens;
-  a.num_seqs = static_cast<int>(seqs);
-  a.tokens = static_cast<int>(tokens);
   a.q_heads = p.q_heads;
   a.kv_heads = p.kv_heads;
   a.head_dim = p.head_dim;
-  a.block_size = opts.block_size;
-  a.max_blocks_per_seq = static_cast<int>(max_blocks);
-  a.max_context = static_cast<int>(max_context);
   a.scale = 1.0f / std::sqrt(static_cast<float>(hd));
   a.out = ws.attn;
   a.workspace = ws.attention;

@@ -18,6 +18,9 @@ __device__ __forceinline__ void random_pair(uint64_t state, size_t p, float scal
 
 constexpr float kStreamScale = 0.02f * 1.7320508f / 2147483648.0f;
 
+// Blocks of 256 threads for `items` (the kernels loop past 65536 blocks).
+unsigned blocks_for(size_t items) { return static_cast<unsigned>(items / 256 + 1 < 65536 ? items / 256 + 1 : 65536); }
+
 __global__ void fill_random_kernel(uint16_t* dst, size_t count, uint64_t state) {
   const size_t pairs = (count + 1) / 2;
   for (size_t p = blockIdx.x * size_t(blockDim.x) + threadIdx.x; p < pairs;
@@ -58,24 +61,19 @@ cudaError_t extract_uk_transposed(const uint16_t* kv_b, int heads, int nope, int
                                   uint16_t* uk_t, cudaStream_t stream) {
   const size_t total = static_cast<size_t>(heads) * lora * nope;
   if (total == 0) return cudaSuccess;
-  const unsigned blocks = static_cast<unsigned>(total / 256 + 1 < 65536 ? total / 256 + 1 : 65536);
-  extract_uk_kernel<<<blocks, 256, 0, stream>>>(kv_b, heads, nope, v, lora, uk_t);
+  extract_uk_kernel<<<blocks_for(total), 256, 0, stream>>>(kv_b, heads, nope, v, lora, uk_t);
   return cudaGetLastError();
 }
 
 cudaError_t fill_random_fp8(uint8_t* codes, size_t count, uint64_t state, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  const size_t pairs = (count + 1) / 2;
-  const unsigned blocks = static_cast<unsigned>(pairs / 256 + 1 < 65536 ? pairs / 256 + 1 : 65536);
-  fill_random_fp8_kernel<<<blocks, 256, 0, stream>>>(codes, count, state);
+  fill_random_fp8_kernel<<<blocks_for((count + 1) / 2), 256, 0, stream>>>(codes, count, state);
   return cudaGetLastError();
 }
 
 cudaError_t fill_random_bf16(uint16_t* dst, size_t count, uint64_t state, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  const size_t pairs = (count + 1) / 2;
-  const unsigned blocks = static_cast<unsigned>(pairs / 256 + 1 < 65536 ? pairs / 256 + 1 : 65536);
-  fill_random_kernel<<<blocks, 256, 0, stream>>>(dst, count, state);
+  fill_random_kernel<<<blocks_for((count + 1) / 2), 256, 0, stream>>>(dst, count, state);
   return cudaGetLastError();
 }
 
