@@ -113,31 +113,33 @@ uint16_t f32_to_f16(float value) {
   return static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13));
 }
 
+namespace {
+
+// A checkpoint's 16-bit values need not be 2-byte aligned (safetensors does not pad its header):
+// each is read byte-wise.
+template <float (*Widen)(uint16_t)>
+void widen_16bit(const void* src, float* dst, size_t count) {
+  const auto* p = static_cast<const unsigned char*>(src);
+  for (size_t i = 0; i < count; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, p + 2 * i, 2);
+    dst[i] = Widen(bits);
+  }
+}
+
+}  // namespace
+
 void convert_to_f32(const void* src, DType from, float* dst, size_t count) {
   switch (from) {
     case DType::kF32:
       std::memcpy(dst, src, count * 4);
       return;
-    // A checkpoint's 16-bit values need not be 2-byte aligned (safetensors does not pad its
-    // header): each is read byte-wise.
-    case DType::kBF16: {
-      const auto* p = static_cast<const unsigned char*>(src);
-      for (size_t i = 0; i < count; ++i) {
-        uint16_t bits;
-        std::memcpy(&bits, p + 2 * i, 2);
-        dst[i] = bf16_to_f32(bits);
-      }
+    case DType::kBF16:
+      widen_16bit<bf16_to_f32>(src, dst, count);
       return;
-    }
-    case DType::kF16: {
-      const auto* p = static_cast<const unsigned char*>(src);
-      for (size_t i = 0; i < count; ++i) {
-        uint16_t bits;
-        std::memcpy(&bits, p + 2 * i, 2);
-        dst[i] = f16_to_f32(bits);
-      }
+    case DType::kF16:
+      widen_16bit<f16_to_f32>(src, dst, count);
       return;
-    }
     case DType::kF8E4M3: {
       const auto* p = static_cast<const uint8_t*>(src);
       for (size_t i = 0; i < count; ++i) dst[i] = f8e4m3_to_f32(p[i]);

@@ -325,10 +325,8 @@ class InProcessCommunicator final : public Communicator {
 
  protected:
   void do_all_reduce_sum(void* data, size_t count, DType dtype) override {
-    Post p = make(Op::kAllReduceSum);
-    p.size = count;
+    Post p = make(Op::kAllReduceSum, nullptr, data, count);
     p.dtype = dtype;
-    p.recv = data;
     need(p, data, count, "data");
     run(std::move(p), [&] {
       std::vector<const void*> srcs(size());
@@ -339,10 +337,7 @@ class InProcessCommunicator final : public Communicator {
   }
 
   void do_all_gather(const void* send, void* recv, size_t bytes_per_rank) override {
-    Post p = make(Op::kAllGather);
-    p.size = bytes_per_rank;
-    p.send = send;
-    p.recv = recv;
+    Post p = make(Op::kAllGather, send, recv, bytes_per_rank);
     need(p, send, bytes_per_rank, "send");
     need(p, recv, bytes_per_rank * size(), "recv");
     const char* own = offset_ptr(recv, bytes_per_rank * rank_);
@@ -358,11 +353,8 @@ class InProcessCommunicator final : public Communicator {
 
   void do_all_gatherv(const void* send, size_t send_bytes, void* recv,
                       const std::vector<size_t>& recv_bytes_per_rank) override {
-    Post p = make(Op::kAllGatherv);
-    p.size = send_bytes;
+    Post p = make(Op::kAllGatherv, send, recv, send_bytes);
     p.v1 = &recv_bytes_per_rank;
-    p.send = send;
-    p.recv = recv;
     std::vector<size_t> offsets;
     size_t total = 0;
     if (sized(p, recv_bytes_per_rank, "recv_bytes_per_rank")) {
@@ -396,10 +388,7 @@ class InProcessCommunicator final : public Communicator {
   }
 
   void do_all_to_all(const void* send, void* recv, size_t bytes_per_peer) override {
-    Post p = make(Op::kAllToAll);
-    p.size = bytes_per_peer;
-    p.send = send;
-    p.recv = recv;
+    Post p = make(Op::kAllToAll, send, recv, bytes_per_peer);
     const size_t total = bytes_per_peer * size();
     need(p, send, total, "send");
     need(p, recv, total, "recv");
@@ -414,11 +403,9 @@ class InProcessCommunicator final : public Communicator {
 
   void do_all_to_allv(const void* send, const std::vector<size_t>& send_bytes, void* recv,
                       const std::vector<size_t>& recv_bytes) override {
-    Post p = make(Op::kAllToAllv);
+    Post p = make(Op::kAllToAllv, send, recv);
     p.v1 = &send_bytes;
     p.v2 = &recv_bytes;
-    p.send = send;
-    p.recv = recv;
     size_t send_total = 0, recv_total = 0;
     std::vector<size_t> recv_offsets;
     bool ok = sized(p, send_bytes, "send_bytes");
@@ -442,10 +429,8 @@ class InProcessCommunicator final : public Communicator {
   }
 
   void do_broadcast(void* data, size_t bytes, int root) override {
-    Post p = make(Op::kBroadcast);
-    p.size = bytes;
+    Post p = make(Op::kBroadcast, nullptr, data, bytes);
     p.root = root;
-    p.recv = data;
     need(p, data, bytes, "data");
     if (root < 0 || root >= size()) {
       fail(p, fmt::format("root {} is outside the group of {} ranks", root, size()));
@@ -461,9 +446,13 @@ class InProcessCommunicator final : public Communicator {
   }
 
  private:
-  Post make(Op op) const {
+  // A post of `op` with its buffers and size (bytes, or elements for the reductions).
+  static Post make(Op op, const void* send = nullptr, void* recv = nullptr, size_t size = 0) {
     Post p;
     p.op = op;
+    p.send = send;
+    p.recv = recv;
+    p.size = size;
     return p;
   }
   // Records the first invalid argument; the call is still posted so every rank learns of it.
@@ -517,12 +506,9 @@ class InProcessCommunicator final : public Communicator {
 
   void reduce_scatter(Op op, const void* send, void* recv, const std::vector<size_t>& counts,
                       DType dtype, size_t count_per_rank) {
-    Post p = make(op);
-    p.size = count_per_rank;
+    Post p = make(op, send, recv, count_per_rank);
     p.dtype = dtype;
     p.v1 = &counts;
-    p.send = send;
-    p.recv = recv;
     const size_t dsize = dtype_size(dtype);
     std::vector<size_t> offsets;
     size_t total = 0;

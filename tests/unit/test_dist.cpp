@@ -53,6 +53,13 @@ RankError catch_on_rank(const std::function<void()>& fn) {
   return out;
 }
 
+// The rank's call threw an error of `kind` whose message holds every one of `parts`.
+void expect_refused(const RankError& e, ErrorKind kind, std::initializer_list<const char*> parts) {
+  EXPECT_TRUE(e.thrown);
+  EXPECT_EQ(e.kind, kind) << e.message;
+  for (const char* part : parts) EXPECT_TRUE(contains(e.message, part)) << e.message;
+}
+
 // ------------------------------------------------------------------------------------------------
 // all_reduce_sum
 
@@ -592,10 +599,7 @@ TEST(DistFailures, MismatchedCountIsReportedOnEveryRankAndGroupStaysUsable) {
     after[r] = y;
   });
   for (int r = 0; r < n; ++r) {
-    EXPECT_TRUE(errors[r].thrown) << "rank " << r;
-    EXPECT_EQ(errors[r].kind, ErrorKind::kInternal);
-    EXPECT_TRUE(contains(errors[r].message, "mismatch")) << errors[r].message;
-    EXPECT_TRUE(contains(errors[r].message, "count=7")) << errors[r].message;
+    expect_refused(errors[r], ErrorKind::kInternal, {"mismatch", "count=7"});
     EXPECT_EQ(after[r], 6.0f);
   }
 }
@@ -614,10 +618,7 @@ TEST(DistFailures, DifferentOperationsAreReported) {
     });
   });
   for (int r = 0; r < n; ++r) {
-    EXPECT_TRUE(errors[r].thrown);
-    EXPECT_EQ(errors[r].kind, ErrorKind::kInternal);
-    EXPECT_TRUE(contains(errors[r].message, "barrier")) << errors[r].message;
-    EXPECT_TRUE(contains(errors[r].message, "all_to_all")) << errors[r].message;
+    expect_refused(errors[r], ErrorKind::kInternal, {"barrier", "all_to_all"});
   }
 }
 
@@ -631,10 +632,8 @@ TEST(DistFailures, DtypeAndRootMismatches) {
     root_errors[r] = catch_on_rank([&] { comm.broadcast(x.data(), 4, r); });
   });
   for (int r = 0; r < n; ++r) {
-    EXPECT_EQ(dtype_errors[r].kind, ErrorKind::kInternal);
-    EXPECT_TRUE(dtype_errors[r].thrown);
-    EXPECT_EQ(root_errors[r].kind, ErrorKind::kInternal);
-    EXPECT_TRUE(root_errors[r].thrown);
+    expect_refused(dtype_errors[r], ErrorKind::kInternal, {});
+    expect_refused(root_errors[r], ErrorKind::kInternal, {});
   }
 }
 
@@ -650,9 +649,7 @@ TEST(DistFailures, AllToAllvSizesThatDoNotPairUp) {
         [&] { comm.all_to_allv(send.data(), send_bytes, recv.data(), recv_bytes); });
   });
   for (int r = 0; r < n; ++r) {
-    EXPECT_TRUE(errors[r].thrown);
-    EXPECT_EQ(errors[r].kind, ErrorKind::kInternal);
-    EXPECT_TRUE(contains(errors[r].message, "rank 0 sends 4 bytes to rank 1")) << errors[r].message;
+    expect_refused(errors[r], ErrorKind::kInternal, {"rank 0 sends 4 bytes to rank 1"});
   }
 }
 
@@ -667,12 +664,8 @@ TEST(DistFailures, InvalidArgumentOnOneRankFailsEveryRank) {
     comm.barrier();  // still usable
   });
   for (int r = 0; r < n; ++r) {
-    EXPECT_TRUE(bad_root[r].thrown);
-    EXPECT_EQ(bad_root[r].kind, ErrorKind::kInvalidArgument);
-    EXPECT_TRUE(contains(bad_root[r].message, "rank 1")) << bad_root[r].message;
-    EXPECT_TRUE(bad_vector[r].thrown);
-    EXPECT_EQ(bad_vector[r].kind, ErrorKind::kInvalidArgument);
-    EXPECT_TRUE(contains(bad_vector[r].message, "rank 2")) << bad_vector[r].message;
+    expect_refused(bad_root[r], ErrorKind::kInvalidArgument, {"rank 1"});
+    expect_refused(bad_vector[r], ErrorKind::kInvalidArgument, {"rank 2"});
   }
 }
 
@@ -682,11 +675,7 @@ TEST(DistFailures, OverlappingAllToAllBuffersAreRejected) {
     std::vector<uint8_t> buf(8);
     errors[r] = catch_on_rank([&] { comm.all_to_all(buf.data(), buf.data(), 4); });
   });
-  for (const RankError& e : errors) {
-    EXPECT_TRUE(e.thrown);
-    EXPECT_EQ(e.kind, ErrorKind::kInvalidArgument);
-    EXPECT_TRUE(contains(e.message, "overlap")) << e.message;
-  }
+  for (const RankError& e : errors) expect_refused(e, ErrorKind::kInvalidArgument, {"overlap"});
 }
 
 TEST(DistFailures, ExceptionOnOneRankPropagatesWithoutDeadlock) {
@@ -708,9 +697,7 @@ TEST(DistFailures, ExceptionOnOneRankPropagatesWithoutDeadlock) {
     EXPECT_STREQ(e.what(), "boom on rank 1");
   }
   for (int r : {0, 2, 3}) {
-    EXPECT_TRUE(others[r].thrown) << "rank " << r;
-    EXPECT_EQ(others[r].kind, ErrorKind::kInternal);
-    EXPECT_TRUE(contains(others[r].message, "rank 1 failed: boom on rank 1")) << others[r].message;
+    expect_refused(others[r], ErrorKind::kInternal, {"rank 1 failed: boom on rank 1"});
   }
 }
 
@@ -747,11 +734,7 @@ TEST(DistFailures, AbortWakesWaitersAndFailsLaterCalls) {
   t0.join();
   t1.join();
   EXPECT_TRUE(group.aborted());
-  for (const RankError& e : errors) {
-    EXPECT_TRUE(e.thrown);
-    EXPECT_EQ(e.kind, ErrorKind::kInternal);
-    EXPECT_TRUE(contains(e.message, "stopped by the test")) << e.message;
-  }
+  for (const RankError& e : errors) expect_refused(e, ErrorKind::kInternal, {"stopped by the test"});
   Error later = error_of([&] { c2->barrier(); });
   EXPECT_EQ(later.kind(), ErrorKind::kInternal);
   EXPECT_TRUE(contains(later.message(), "stopped by the test"));

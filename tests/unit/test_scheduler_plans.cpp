@@ -284,16 +284,26 @@ TEST(SchedulerPlans, ARequestMakesRoomOnlyInItsOwnGroup) {
   EXPECT_EQ(group1, 2);
 }
 
+// Three requests (prompts of 5, 8 and 11 tokens, 6 to generate each) whose second step fails
+// after `rows` of its rows; what they were and the tokens their first step gave.
+struct Interrupted {
+  Submitted submitted;
+  std::map<uint64_t, std::vector<int32_t>> got;
+};
+
+Interrupted fail_the_second_step(FakeExecutor& x, Scheduler& s, uint32_t seed, int rows) {
+  std::mt19937 rng(seed);
+  Interrupted r{submit_all(s, rng, 3, [](int i) { return 5 + 3 * i; }, [](int) { return 6; }), {}};
+  for (const Event& e : s.step()) r.got[e.id].push_back(e.token);
+  x.fail_after_rows = rows;
+  EXPECT_THROW(s.step(), Error);
+  return r;
+}
+
 TEST(SchedulerPlans, AFailedStepLosesNothing) {
   FakeExecutor x(3, 64, 4, 256);
   Scheduler s(x, SchedulerConfig{16, 0, true});
-  std::mt19937 rng(7);
-  const Submitted submitted =
-      submit_all(s, rng, 3, [](int i) { return 5 + 3 * i; }, [](int) { return 6; });
-  std::map<uint64_t, std::vector<int32_t>> got;
-  for (const Event& e : s.step()) got[e.id].push_back(e.token);
-  x.fail_after_rows = 0;
-  EXPECT_THROW(s.step(), Error);
+  auto [submitted, got] = fail_the_second_step(x, s, 7, 0);
   for (auto& [id, tokens] : run_to_end(s)) got[id].insert(got[id].end(), tokens.begin(), tokens.end());
   for (const auto& [id, req] : submitted) EXPECT_EQ(got[id], alone(req.first, req.second)) << id;
   EXPECT_EQ(s.stats().blocks_used, 0);
@@ -305,15 +315,9 @@ TEST(SchedulerPlans, AFailedStepLosesNothing) {
 TEST(SchedulerPlans, AStepThatFailsPartwayIsRecomputedFromTheStart) {
   FakeExecutor x(3, 64, 4, 256);
   Scheduler s(x, SchedulerConfig{16, 0, true});
-  std::mt19937 rng(11);
   // Prompts of 5, 8 and 11: the first step computes 5 + 8 + 3 of them, the second has two decode
   // rows, then the rest of the third prompt.
-  const Submitted submitted =
-      submit_all(s, rng, 3, [](int i) { return 5 + 3 * i; }, [](int) { return 6; });
-  std::map<uint64_t, std::vector<int32_t>> got;
-  for (const Event& e : s.step()) got[e.id].push_back(e.token);
-  x.fail_after_rows = 2;
-  EXPECT_THROW(s.step(), Error);
+  auto [submitted, got] = fail_the_second_step(x, s, 11, 2);
   ASSERT_EQ(x.failed_plan.rows.size(), 3u);
   EXPECT_EQ(x.failed_plan.rows[0].count, 1);
   EXPECT_EQ(x.failed_plan.rows[1].count, 1);
