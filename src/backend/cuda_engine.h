@@ -1,7 +1,8 @@
 // A whole decoder on one CUDA device, or on several of one machine (EngineOptions tp / ep):
 // weights, KV cache and workspace allocated once at load, every op on the device, sampling
 // included. Prefill runs eagerly in chunks; decode steps replay a CUDA graph captured per
-// batch-size bucket (1, 2, 4, ... up to max_batch), one per GPU. Declared without CUDA types, so
+// batch-size bucket (1, 2, 4, 5, 6, 7, 8, 10, 12, ... up to max_batch; padding rows take no
+// expert), one per GPU. Declared without CUDA types, so
 // CPU-only code can include it; a build without CUDA throws kUnsupported.
 #pragma once
 

@@ -4,10 +4,12 @@
 // logits as a double-precision product of the same bf16 rows and weights (bound 1e-4 of the
 // row's largest magnitude: f32 accumulation over `hidden` terms), and the expert choice exactly
 // moe::route's on the logits the kernel produced (its contract: route()'s arithmetic). Every
-// output is poisoned first; repeated launches check that the block counter is left ready.
+// output is poisoned first; repeated launches check that the block counter is left ready. A
+// padding row (past RouterParams::live_rows) is normalised as the others and takes no expert.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -84,7 +86,12 @@ void run_case(const Case& c, uint32_t seed) {
   // Sigmoid routers with their correction bias, every router renormalised and scaled by 2.5.
   const RouterConfig rc = gputest::router_config(c.experts, c.top_k, c.sigmoid, c.groups, c.n_group, c.topk_group,
                                                  c.sigmoid, true, 2.5f);
-  const k::RouterParams p = k::router_params(rc, dbias.get());
+  k::RouterParams p = k::router_params(rc, dbias.get());
+  // With more than one row, the last is padding (live_rows): normalised like the others, routed
+  // to no expert.
+  const int live = c.tokens > 1 ? c.tokens - 1 : c.tokens;
+  DeviceBuffer<int32_t> dlive(std::vector<int32_t>{live});
+  p.live_rows = dlive.get();
 
   for (int launch = 0; launch < 3; ++launch) {
     // Each launch starts from the same residual; outputs poisoned.
@@ -123,6 +130,8 @@ void run_case(const Case& c, uint32_t seed) {
     std::vector<int32_t> want_ids(static_cast<size_t>(c.tokens) * c.top_k);
     std::vector<float> want_w(want_ids.size());
     route(rc, got_logits.data(), c.sigmoid ? bias.data() : nullptr, c.tokens, want_ids.data(), want_w.data());
+    std::fill(want_ids.begin() + static_cast<std::ptrdiff_t>(live) * c.top_k, want_ids.end(), -1);
+    std::fill(want_w.begin() + static_cast<std::ptrdiff_t>(live) * c.top_k, want_w.end(), 0.0f);
     EXPECT_EQ(dids.download(), want_ids);
     const auto got_w = dweights.download();
     for (size_t i = 0; i < want_w.size(); ++i)

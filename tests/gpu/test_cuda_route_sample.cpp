@@ -3,7 +3,7 @@
 // exact ties (logits drawn from a handful of values), -inf and very negative logits, saturated
 // sigmoids. Bound: the same expert ids, in the same (ascending) order; weights within 1e-6
 // relative (the kernel reproduces the CPU arithmetic; only a rare last-bit difference of exp is
-// possible).
+// possible). Tokens past RouterParams::live_rows (padding) take no expert: ids -1, weights 0.
 // Samplers: greedy against a host argmax (first maximum) with planted ties; temperature 0 and
 // top_k 1 equal greedy; every draw inside the allowed set computed on the host as moe::Sampler
 // defines it; frequencies over 4000 fixed seeds against the exact probabilities; replays; a padded
@@ -76,8 +76,13 @@ void run_route_case(const RouteCase& c, uint32_t seed) {
   std::vector<int32_t> want_ids(static_cast<size_t>(tokens) * c.top_k);
   std::vector<float> want_w(want_ids.size());
   route(rc, logits.data(), c.bias ? bias.data() : nullptr, tokens, want_ids.data(), want_w.data());
+  // The last 100 tokens are padding rows (live_rows): no expert, weight 0.
+  const int live = tokens - 100;
+  std::fill(want_ids.begin() + static_cast<std::ptrdiff_t>(live) * c.top_k, want_ids.end(), -1);
+  std::fill(want_w.begin() + static_cast<std::ptrdiff_t>(live) * c.top_k, want_w.end(), 0.0f);
 
   DeviceBuffer<float> dl(logits), db(bias), dw(want_w.size());
+  DeviceBuffer<int32_t> dlive(std::vector<int32_t>{live});
   DeviceBuffer<int32_t> di(want_ids.size());
   dw.poison();
   di.poison();
@@ -89,6 +94,7 @@ void run_route_case(const RouteCase& c, uint32_t seed) {
   p.local_ids = dlocal.get();
   p.local_first = c.experts / 3;
   p.local_count = std::max(1, c.experts / 3);
+  p.live_rows = dlive.get();
   ASSERT_EQ(k::route(dl.get(), p, tokens, di.get(), dw.get(), nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto ids = di.download();

@@ -18,6 +18,9 @@ struct StepMeta {
   float *temperature, *top_p;
   int32_t *top_k, *step;
   uint64_t* seed;
+  // One value: rows from it on are padding (a decode step's rows past its sequences up to the
+  // graph's bucket, a prefill chunk's past its tokens), which the router sends to no expert.
+  int32_t* live_rows;
 };
 
 template <typename A>
@@ -34,6 +37,7 @@ StepMeta carve_meta(A& a, int64_t tokens, int64_t seqs, int64_t max_blocks) {
   m.top_k = a.template take_n<int32_t>(static_cast<size_t>(seqs));
   m.step = a.template take_n<int32_t>(static_cast<size_t>(seqs));
   m.seed = a.template take_n<uint64_t>(static_cast<size_t>(seqs));
+  m.live_rows = a.template take_n<int32_t>(1);
   return m;
 }
 

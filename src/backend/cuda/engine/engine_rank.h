@@ -31,7 +31,7 @@ namespace moe::cuda::engine {
 struct DecodeGraph {
   int bucket = 0;
   cudaGraphExec_t exec = nullptr;
-  float* logits = nullptr;   // [bucket, vocab], owned by this graph
+  float* logits = nullptr;   // [bucket, vocab] of the rows every graph shares
   int32_t* sampled = nullptr;
 };
 
@@ -137,6 +137,8 @@ struct Rank {
   std::unique_ptr<Blas> blas;
   cudaStream_t stream = nullptr;
   DeviceArena workspace_arena, kv_arena, meta_arena, graph_arena;
+  float* graph_logits = nullptr;  // [max_batch, vocab] in graph_arena
+  int32_t* graph_sampled = nullptr;
   Workspace ws{};
   StepMeta meta{};
   char* meta_host = nullptr;  // pinned mirror of meta_arena

@@ -160,6 +160,9 @@ __global__ void __launch_bounds__(kWarps * 32) norm_route_kernel(NormRouteParams
     reinterpret_cast<uint4*>(q.normed)[i] = s_rows[i];
   }
   for (int t = warp; t < tokens; t += kWarps) {
+    if (route_detail::skip_padding_row(p, t, lane, ids + static_cast<size_t>(t) * p.top_k, weights + static_cast<size_t>(t) * p.top_k,
+                         p.local_ids ? p.local_ids + static_cast<size_t>(t) * p.top_k : nullptr))
+      continue;
     const float* row = q.logits + static_cast<size_t>(t) * p.experts;
     route_detail::route_token<P>([&](int e) { return __ldcg(row + e); }, p, group_lanes, lane,
                                  s_buf[warp], s_group[warp], s_w[warp],

@@ -288,4 +288,17 @@ __device__ __forceinline__ void route_token(Load load, const RouterParams& p, in
   }
 }
 
+// A padding row (RouterParams::live_rows) takes no expert: route_token's outputs for token t are
+// ids -1 and weights 0 instead, and the warp returns true.
+__device__ __forceinline__ bool skip_padding_row(const RouterParams& p, int t, int lane, int32_t* id_out,
+                                                 float* weight_out, int32_t* local_out) {
+  if (!p.live_rows || t < __ldg(p.live_rows)) return false;
+  if (lane < p.top_k) {
+    id_out[lane] = -1;
+    weight_out[lane] = 0.0f;
+    if (local_out) local_out[lane] = -1;
+  }
+  return true;
+}
+
 }  // namespace moe::cuda::kernels::route_detail

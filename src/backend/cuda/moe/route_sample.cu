@@ -64,11 +64,15 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(const float* __
   const int t = blockIdx.x * kRouteWarps + warp;
   if (t >= tokens) return;
   const float* row = logits + static_cast<size_t>(t) * p.experts;
+  int32_t* local = p.local_ids ? p.local_ids + static_cast<size_t>(t) * p.top_k : nullptr;
   route_detail::route_token<P>([&](int e) { return __ldg(row + e); }, p, group_lanes, lane,
                                s_buf[warp], s_group[warp], s_w[warp],
                                ids + static_cast<size_t>(t) * p.top_k,
-                               weights + static_cast<size_t>(t) * p.top_k,
-                               p.local_ids ? p.local_ids + static_cast<size_t>(t) * p.top_k : nullptr);
+                               weights + static_cast<size_t>(t) * p.top_k, local);
+  // A padding row is routed and then overwritten: a branch around route_token made ptxas spill.
+  __syncwarp();
+  skip_padding_row(p, t, lane, ids + static_cast<size_t>(t) * p.top_k, weights + static_cast<size_t>(t) * p.top_k,
+                   local);
 }
 
 // route() with the projection folded in, for small routers: one warp per token computes the
@@ -122,6 +126,9 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_hidden_kernel(
   __syncwarp();
   if (logits)
     for (int e = lane; e < p.experts; e += 32) logits[static_cast<size_t>(t) * p.experts + e] = s_logit[warp][e];
+  if (skip_padding_row(p, t, lane, ids + static_cast<size_t>(t) * p.top_k, weights + static_cast<size_t>(t) * p.top_k,
+                       p.local_ids ? p.local_ids + static_cast<size_t>(t) * p.top_k : nullptr))
+    return;
   route_detail::route_token<P>([&](int e) { return s_logit[warp][e]; }, p, group_lanes, lane,
                                s_buf[warp], s_group[warp], s_w[warp],
                                ids + static_cast<size_t>(t) * p.top_k,

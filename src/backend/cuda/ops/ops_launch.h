@@ -84,6 +84,10 @@ struct RouterParams {
   // holds, or -1 for another rank's, which saves the experts a separate translation.
   int32_t* local_ids = nullptr;
   int local_first = 0, local_count = 0;
+  // When set (one device value), tokens from *live_rows on are padding: their ids (and local
+  // ids) are -1 and their weights 0, so the experts and every exchange skip them. Their logits
+  // are still computed where a router writes them.
+  const int32_t* live_rows = nullptr;
 };
 
 // logits f32 [tokens, experts] -> ids int32 [tokens, top_k] ascending per token, weights f32
