@@ -238,11 +238,18 @@ TEST(DistCollectives, AllGatherInPlace) {
 
 size_t gatherv_bytes(int r) { return static_cast<size_t>((2 * r + 3) % 5); }  // 3, 0, 2, 4
 
+// The ragged collectives' per-rank sizes size_of(0 .. n - 1), and their sum into *total.
+std::vector<size_t> ragged_sizes(int n, size_t (*size_of)(int), size_t* total) {
+  std::vector<size_t> sizes(static_cast<size_t>(n));
+  *total = 0;
+  for (int j = 0; j < n; ++j) *total += sizes[static_cast<size_t>(j)] = size_of(j);
+  return sizes;
+}
+
 TEST(DistCollectives, AllGathervRagged) {
   for (int n = 1; n <= kMaxRanks; ++n) {
-    std::vector<size_t> sizes(n);
     size_t total = 0;
-    for (int j = 0; j < n; ++j) total += sizes[j] = gatherv_bytes(j);
+    const std::vector<size_t> sizes = ragged_sizes(n, gatherv_bytes, &total);
     std::vector<std::vector<uint8_t>> out(n);
     run_ranks(n, [&](int r, Communicator& comm) {
       std::vector<uint8_t> send;
@@ -313,9 +320,8 @@ size_t scatterv_count(int j) { return static_cast<size_t>((j + 2) % 3); }  // 2,
 
 TEST(DistCollectives, ReduceScattervRagged) {
   for (int n = 1; n <= kMaxRanks; ++n) {
-    std::vector<size_t> counts(n);
     size_t total = 0;
-    for (int j = 0; j < n; ++j) total += counts[j] = scatterv_count(j);
+    const std::vector<size_t> counts = ragged_sizes(n, scatterv_count, &total);
     std::vector<std::vector<float>> out(n);
     run_ranks(n, [&](int r, Communicator& comm) {
       std::vector<float> send;

@@ -89,12 +89,17 @@ std::string read_until(int fd, const std::string& until = "") {
   return got;
 }
 
-std::string get(int port, const std::string& path) {
+// `request` on a connection of its own; all that comes back until the server closes it.
+std::string round_trip(int port, const std::string& request) {
   const int fd = connect_to(port);
-  send_all(fd, "GET " + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  send_all(fd, request);
   std::string r = read_until(fd);
   ::close(fd);
   return r;
+}
+
+std::string get(int port, const std::string& path) {
+  return round_trip(port, "GET " + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
 }
 
 TEST(HttpServer, AnswersAndKeepsConnectionsAlive) {
@@ -182,13 +187,10 @@ TEST(HttpServer, LimitsAnsweredWithTheirStatus) {
       {"NOT HTTP\r\n\r\n", "400 Bad Request"},
   };
   for (const Case& c : cases) {
-    const int fd = connect_to(s.port);
-    send_all(fd, c.request);
-    const std::string r = read_until(fd);
+    const std::string r = round_trip(s.port, c.request);
     EXPECT_NE(r.find(c.status), std::string::npos) << r;
     EXPECT_NE(r.find("Connection: close"), std::string::npos) << r;
     EXPECT_NE(r.find("{\"status\":"), std::string::npos) << r;
-    ::close(fd);
   }
 }
 

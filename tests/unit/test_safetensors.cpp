@@ -104,11 +104,16 @@ TEST(Safetensors, HugeShapeDoesNotOverflow) {
   EXPECT_EQ(e.kind(), ErrorKind::kFormat);
 }
 
+// Opening the checkpoint in `dir` fails with `kind`, the message naming `fragment` (if any).
+void expect_checkpoint_refused(const TempDir& dir, ErrorKind kind, const std::string& fragment = "") {
+  const auto e = expect_error([&] { Checkpoint ckpt(dir.str()); });
+  EXPECT_EQ(e.kind(), kind) << e.message();
+  EXPECT_NE(e.message().find(fragment), std::string::npos) << e.message();
+}
+
 TEST(Checkpoint, NoWeightsInDirectory) {
   TempDir dir;
-  auto e = expect_error([&] { Checkpoint ckpt(dir.str()); });
-  EXPECT_EQ(e.kind(), ErrorKind::kIo);
-  EXPECT_NE(e.message().find("model.safetensors"), std::string::npos);
+  expect_checkpoint_refused(dir, ErrorKind::kIo, "model.safetensors");
 }
 
 TEST(Checkpoint, IndexNamesMissingTensor) {
@@ -118,23 +123,21 @@ TEST(Checkpoint, IndexNamesMissingTensor) {
   test::write_file(dir.path() / "model.safetensors.index.json",
                    R"({"weight_map": {"x": "model-00001-of-00001.safetensors",
                                       "y": "model-00001-of-00001.safetensors"}})");
-  auto e = expect_error([&] { Checkpoint ckpt(dir.str()); });
-  EXPECT_EQ(e.kind(), ErrorKind::kFormat);
-  EXPECT_NE(e.message().find("'y'"), std::string::npos);
+  expect_checkpoint_refused(dir, ErrorKind::kFormat, "'y'");
 }
 
 TEST(Checkpoint, IndexNamesMissingShard) {
   TempDir dir;
   test::write_file(dir.path() / "model.safetensors.index.json",
                    R"({"weight_map": {"x": "model-00001-of-00002.safetensors"}})");
-  EXPECT_EQ(expect_error([&] { Checkpoint ckpt(dir.str()); }).kind(), ErrorKind::kIo);
+  expect_checkpoint_refused(dir, ErrorKind::kIo);
 }
 
 TEST(Checkpoint, IndexShardOutsideDirectory) {
   TempDir dir;
   test::write_file(dir.path() / "model.safetensors.index.json",
                    R"({"weight_map": {"x": "../elsewhere.safetensors"}})");
-  EXPECT_EQ(expect_error([&] { Checkpoint ckpt(dir.str()); }).kind(), ErrorKind::kFormat);
+  expect_checkpoint_refused(dir, ErrorKind::kFormat);
 }
 
 TEST(WeightLoader, StrictReportsMissingUnexpectedAndWrongShape) {

@@ -22,21 +22,17 @@ namespace moe::cuda {
 namespace {
 
 // The NCCL entry points, resolved from libnccl.so.2 at first use (no link-time dependency: the
-// tools run on machines without NCCL, and only a group needs it).
+// tools run on machines without NCCL, and only a group needs it). One list: entry point X is the
+// field X, bound to the symbol "nccl" #X.
+#define MOE_NCCL_SYMBOLS(X)                                                                  \
+  X(GetUniqueId) X(CommInitRankConfig) X(CommDestroy) X(CommAbort) X(CommGetAsyncError)      \
+  X(GetErrorString) X(AllGather) X(AllReduce) X(Broadcast) X(Send) X(Recv) X(GroupStart)     \
+  X(GroupEnd)
+
 struct Nccl {
-  decltype(&ncclGetUniqueId) GetUniqueId = nullptr;
-  decltype(&ncclCommInitRankConfig) CommInitRankConfig = nullptr;
-  decltype(&ncclCommDestroy) CommDestroy = nullptr;
-  decltype(&ncclCommAbort) CommAbort = nullptr;
-  decltype(&ncclCommGetAsyncError) CommGetAsyncError = nullptr;
-  decltype(&ncclGetErrorString) GetErrorString = nullptr;
-  decltype(&ncclAllGather) AllGather = nullptr;
-  decltype(&ncclAllReduce) AllReduce = nullptr;
-  decltype(&ncclBroadcast) Broadcast = nullptr;
-  decltype(&ncclSend) Send = nullptr;
-  decltype(&ncclRecv) Recv = nullptr;
-  decltype(&ncclGroupStart) GroupStart = nullptr;
-  decltype(&ncclGroupEnd) GroupEnd = nullptr;
+#define MOE_NCCL_FIELD(name) decltype(&nccl##name) name = nullptr;
+  MOE_NCCL_SYMBOLS(MOE_NCCL_FIELD)
+#undef MOE_NCCL_FIELD
   std::string error;  // why loading failed; empty when every symbol was found
 };
 
@@ -54,19 +50,9 @@ const Nccl& nccl() {
       fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
       if (!fn && r.error.empty()) r.error = std::string("libnccl.so.2 lacks ") + name;
     };
-    bind(r.GetUniqueId, "ncclGetUniqueId");
-    bind(r.CommInitRankConfig, "ncclCommInitRankConfig");
-    bind(r.CommDestroy, "ncclCommDestroy");
-    bind(r.CommAbort, "ncclCommAbort");
-    bind(r.CommGetAsyncError, "ncclCommGetAsyncError");
-    bind(r.GetErrorString, "ncclGetErrorString");
-    bind(r.AllGather, "ncclAllGather");
-    bind(r.AllReduce, "ncclAllReduce");
-    bind(r.Broadcast, "ncclBroadcast");
-    bind(r.Send, "ncclSend");
-    bind(r.Recv, "ncclRecv");
-    bind(r.GroupStart, "ncclGroupStart");
-    bind(r.GroupEnd, "ncclGroupEnd");
+#define MOE_NCCL_BIND(name) bind(r.name, "nccl" #name);
+    MOE_NCCL_SYMBOLS(MOE_NCCL_BIND)
+#undef MOE_NCCL_BIND
     return r;
   }();
   return n;

@@ -53,9 +53,7 @@ __global__ void __launch_bounds__(kWarps * 32) norm_route_kernel(NormRouteParams
   }
   begin_dependent();
   extern __shared__ uint4 s_rows[];  // bf16 [tokens, hidden]: the normalised rows
-  __shared__ __align__(16) float s_buf[kWarps][kRouterMaxExperts];
-  __shared__ float s_group[kWarps][kRouterMaxExperts];
-  __shared__ float s_w[kWarps][kRouterMaxTopK];
+  __shared__ route_detail::RouteScratch<kWarps> s_scratch;
   __shared__ bool s_last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int chunks = q.hidden / 8;
@@ -165,7 +163,7 @@ __global__ void __launch_bounds__(kWarps * 32) norm_route_kernel(NormRouteParams
       continue;
     const float* row = q.logits + static_cast<size_t>(t) * p.experts;
     route_detail::route_token<P>([&](int e) { return __ldcg(row + e); }, p, group_lanes, lane,
-                                 s_buf[warp], s_group[warp], s_w[warp],
+                                 s_scratch.buf[warp], s_scratch.group[warp], s_scratch.weights[warp],
                                  ids + static_cast<size_t>(t) * p.top_k,
                                  weights + static_cast<size_t>(t) * p.top_k,
                                  p.local_ids ? p.local_ids + static_cast<size_t>(t) * p.top_k : nullptr);

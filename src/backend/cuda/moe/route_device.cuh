@@ -198,11 +198,19 @@ __device__ __forceinline__ void mask_groups_lanes(const RouterParams& p, float (
   }
 }
 
-// One token on one warp; lane L holds experts [L P, L P + P). load(e) gives logit e. buf and
-// group: [kRouterMaxExperts] floats of this warp's shared memory (16-byte aligned), s_w:
-// [kRouterMaxTopK]. group_lanes: G for mask_groups_lanes, 0 for the shared-memory path. Writes
-// ids[0, k) ascending and weights[0, k), and with p.local_ids the same ids as this rank's
-// indices into local_out[0, k).
+// The shared memory of route_token for a block of W warps; warp i passes buf[i], group[i] and
+// weights[i].
+template <int W>
+struct RouteScratch {
+  alignas(16) float buf[W][kRouterMaxExperts];
+  float group[W][kRouterMaxExperts];
+  float weights[W][kRouterMaxTopK];
+};
+
+// One token on one warp; lane L holds experts [L P, L P + P). load(e) gives logit e. buf, group
+// and s_w: the warp's rows of a RouteScratch. group_lanes: G for mask_groups_lanes, 0 for the
+// shared-memory path. Writes ids[0, k) ascending and weights[0, k), and with p.local_ids the same
+// ids as this rank's indices into local_out[0, k).
 template <int P, typename Load>
 __device__ __forceinline__ void route_token(Load load, const RouterParams& p, int group_lanes,
                                             int lane, float* buf, float* group, float* s_w,

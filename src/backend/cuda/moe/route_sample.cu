@@ -57,16 +57,14 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(const float* __
                                                                  int32_t* __restrict__ ids,
                                                                  float* __restrict__ weights) {
   begin_dependent();  // first: see pdl.h
-  __shared__ __align__(16) float s_buf[kRouteWarps][kRouterMaxExperts];
-  __shared__ float s_group[kRouteWarps][kRouterMaxExperts];
-  __shared__ float s_w[kRouteWarps][kRouterMaxTopK];
+  __shared__ RouteScratch<kRouteWarps> s_scratch;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.x * kRouteWarps + warp;
   if (t >= tokens) return;
   const float* row = logits + static_cast<size_t>(t) * p.experts;
   int32_t* local = p.local_ids ? p.local_ids + static_cast<size_t>(t) * p.top_k : nullptr;
   route_detail::route_token<P>([&](int e) { return __ldg(row + e); }, p, group_lanes, lane,
-                               s_buf[warp], s_group[warp], s_w[warp],
+                               s_scratch.buf[warp], s_scratch.group[warp], s_scratch.weights[warp],
                                ids + static_cast<size_t>(t) * p.top_k,
                                weights + static_cast<size_t>(t) * p.top_k, local);
   // A padding row is routed and then overwritten: a branch around route_token made ptxas spill.
@@ -85,9 +83,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_hidden_kernel(
     float* __restrict__ logits) {
   begin_dependent();
   __shared__ __align__(16) float s_logit[kRouteWarps][kRouterMaxExperts];
-  __shared__ __align__(16) float s_buf[kRouteWarps][kRouterMaxExperts];
-  __shared__ float s_group[kRouteWarps][kRouterMaxExperts];
-  __shared__ float s_w[kRouteWarps][kRouterMaxTopK];
+  __shared__ RouteScratch<kRouteWarps> s_scratch;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.x * kRouteWarps + warp;
   if (t >= tokens) return;
@@ -130,7 +126,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_hidden_kernel(
                        p.local_ids ? p.local_ids + static_cast<size_t>(t) * p.top_k : nullptr))
     return;
   route_detail::route_token<P>([&](int e) { return s_logit[warp][e]; }, p, group_lanes, lane,
-                               s_buf[warp], s_group[warp], s_w[warp],
+                               s_scratch.buf[warp], s_scratch.group[warp], s_scratch.weights[warp],
                                ids + static_cast<size_t>(t) * p.top_k,
                                weights + static_cast<size_t>(t) * p.top_k,
                                p.local_ids ? p.local_ids + static_cast<size_t>(t) * p.top_k : nullptr);
