@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
     app.add_flag("--random-weights", random_weights, "cuda: config.json only, weights drawn on the device");
     app.add_option("-t,--threads", threads, "CPU threads for the model (0: all)");
     app.add_option("--max-batch", max_batch, "requests running at once (per GPU under --dp)")->capture_default_str();
-    app.add_option("--max-step-tokens", cfg.max_step_tokens, "tokens computed per step")->capture_default_str();
+    app.add_option("--max-step-tokens", cfg.max_step_tokens, "tokens computed per step (per GPU under --dp)")->capture_default_str();
     app.add_option("--kv-blocks", kv_blocks, "KV cache blocks (0: enough for max-batch full contexts; cuda: capped by free memory; per GPU under --dp)");
     app.add_option("--block-size", block_size, "tokens per KV block")->capture_default_str();
     app.add_option("--ctx", cfg.max_context, "context per request (0: the model's)");

@@ -32,14 +32,15 @@ Scheduler::Scheduler(runtime::Executor& executor, const SchedulerConfig& config,
   if (config_.max_context == 0) config_.max_context = lim.max_context;
   MOE_CHECK(config_.max_context >= 2 && config_.max_context <= lim.max_context, kInvalidArgument,
             "max_context {} must be in [2, {}] (the executor's context)", config_.max_context, lim.max_context);
-  MOE_CHECK(config_.max_step_tokens >= lim.max_sequences, kInvalidArgument,
+  MOE_CHECK(lim.groups >= 1 && lim.kv_blocks % lim.groups == 0 && lim.max_sequences % lim.groups == 0,
+            kInvalidArgument, "the executor's {} KV blocks and {} sequences do not split evenly into its {} attention groups",
+            lim.kv_blocks, lim.max_sequences, lim.groups);
+  MOE_CHECK(config_.max_step_tokens >= lim.max_sequences / lim.groups, kInvalidArgument,
             "max_step_tokens ({}) must be at least max_batch ({}), so that every running request can decode",
-            config_.max_step_tokens, lim.max_sequences);
-  MOE_CHECK(lim.groups >= 1 && lim.kv_blocks % lim.groups == 0, kInvalidArgument,
-            "the executor's {} KV blocks do not split evenly into its {} attention groups", lim.kv_blocks,
-            lim.groups);
+            config_.max_step_tokens, lim.max_sequences / lim.groups);
   stats_.blocks_total = lim.kv_blocks;
   planned_blocks_.assign(static_cast<size_t>(lim.groups), 0);
+  budget_.assign(static_cast<size_t>(lim.groups), 0);
 }
 
 Scheduler::~Scheduler() {
@@ -100,13 +101,13 @@ Scheduler::Request& Scheduler::newest_beside(const Request& r) const {
 void Scheduler::plan(Request& r, int64_t n) {
   planned_blocks_[static_cast<size_t>(r.group)] += blocks_for(r, n);
   r.planned = n;
-  budget_ -= n;
+  budget_[static_cast<size_t>(r.group)] -= n;
   planned_.push_back(&r);
 }
 
 void Scheduler::unplan(Request& r) {
   planned_blocks_[static_cast<size_t>(r.group)] -= blocks_for(r, r.planned);
-  budget_ += r.planned;
+  budget_[static_cast<size_t>(r.group)] += r.planned;
   r.planned = 0;
   planned_.erase(std::find(planned_.begin(), planned_.end(), &r));
 }
@@ -139,7 +140,7 @@ std::vector<Event> Scheduler::step() {
   std::vector<Event> events = std::move(pending_);
   pending_.clear();
   planned_.clear();
-  budget_ = config_.max_step_tokens;
+  std::fill(budget_.begin(), budget_.end(), config_.max_step_tokens);
   std::fill(planned_blocks_.begin(), planned_blocks_.end(), 0);
   preempted_ = false;
 
@@ -148,28 +149,27 @@ std::vector<Event> Scheduler::step() {
   // makes room.
   const std::vector<Request*> running = running_;
   for (Request* r : running) {
-    if (budget_ <= 0) break;
-    if (r->seq < 0 || r->remaining() != 1) continue;
+    if (r->seq < 0 || r->remaining() != 1 || budget_left(r->group) <= 0) continue;
     while (r->seq >= 0 && blocks_for(*r, 1) > free_blocks(r->group)) preempt(newest_beside(*r));
     if (r->seq >= 0) plan(*r, 1);
   }
   // Then the prompts (and recomputations) already running, in chunks of what the budget and the
   // free blocks leave; the newest running request of the group makes room for an older one.
   for (Request* r : running) {
-    if (budget_ <= 0) break;
-    if (r->seq < 0 || r->planned > 0 || r->remaining() <= 0) continue;
+    if (r->seq < 0 || r->planned > 0 || r->remaining() <= 0 || budget_left(r->group) <= 0) continue;
     while (r->seq >= 0 && room(*r) <= 0) preempt(newest_beside(*r));
-    if (r->seq >= 0) plan(*r, std::min({r->remaining(), budget_, room(*r)}));
+    if (r->seq >= 0) plan(*r, std::min({r->remaining(), budget_left(r->group), room(*r)}));
   }
   // Then new requests while there is room; none after a preemption, which means the cache is full.
-  while (!preempted_ && budget_ > 0 && static_cast<int64_t>(running_.size()) < executor_.limits().max_sequences &&
+  while (!preempted_ && *std::max_element(budget_.begin(), budget_.end()) > 0 &&
+         static_cast<int64_t>(running_.size()) < executor_.limits().max_sequences &&
          !waiting_.empty()) {
     Request* r = waiting_.front();
     r->seq = executor_.open();
     r->group = executor_.group_of(r->seq);
     const int64_t hits = config_.prefix_reuse ? executor_.reuse_prefix(r->seq, r->tokens) : 0;
     r->fed = hits;
-    const int64_t n = std::min({r->remaining(), budget_, room(*r)});
+    const int64_t n = std::min({r->remaining(), budget_left(r->group), room(*r)});
     if (n <= 0) {
       executor_.close(r->seq);  // a waiting request holds no blocks
       r->seq = -1;

@@ -2,7 +2,8 @@
 // serve::Batcher that moe-server runs.
 //
 // Each step() plans one StepPlan over the requests that are running, so requests join and leave
-// the batch at every step. A step spends at most `max_step_tokens` tokens: every decoding request
+// the batch at every step. A step spends at most `max_step_tokens` tokens in each attention group
+// (each data-parallel GPU; the whole step with one group): every decoding request
 // gets its one token first (oldest first), then prompts are prefilled in chunks with what is
 // left, so a long prompt never stalls the decodes. A step takes only the KV blocks the tokens it
 // computes need; when they are not there, the newest running request is preempted (its sequence
@@ -31,7 +32,9 @@
 namespace moe::serve {
 
 struct SchedulerConfig {
-  int64_t max_step_tokens = 256;  // tokens one step computes (>= the executor's max_sequences)
+  // Tokens one step computes in each attention group (>= the group's sequences): under
+  // data-parallel attention each GPU runs its own prompt chunks, so each gets the whole budget.
+  int64_t max_step_tokens = 256;
   int64_t max_context = 0;        // prompt + max_tokens limit; 0: the executor's context
   bool prefix_reuse = true;       // start new requests from cached prefix blocks
 };
@@ -64,6 +67,7 @@ class Scheduler final : public Batcher {
   int64_t free_blocks(int group) const;
   int64_t blocks_for(const Request& r, int64_t more) const;
   int64_t room(const Request& r) const;  // tokens r can add within its blocks and the free ones
+  int64_t budget_left(int group) const { return budget_[static_cast<size_t>(group)]; }
   void plan(Request& r, int64_t n);
   void unplan(Request& r);
   // Closes r's sequence and puts r (running, not planned) at the front of the queue, to be
@@ -86,7 +90,7 @@ class Scheduler final : public Batcher {
   std::vector<Event> pending_;     // cancellations not yet reported
   // The step being planned.
   std::vector<Request*> planned_;
-  int64_t budget_ = 0;
+  std::vector<int64_t> budget_;          // tokens left to plan, per attention group
   std::vector<int64_t> planned_blocks_;  // per attention group
   bool preempted_ = false;
   SchedulerStats stats_;

@@ -266,6 +266,39 @@ TEST(SchedulerPlans, GroupsPreemptWithinTheirOwnBlocksAndKeepEveryOutput) {
 // The newest running request overall is in the group with room; the one that must give way is
 // the newest of the full group. Requests 1 and 3 (group 0) outgrow its 8 blocks; 2 and 4 (group
 // 1) fit and must finish without ever being preempted.
+// Data-parallel attention: each group (GPU) runs its own prompt chunks, so the step budget holds
+// per group. No group's rows exceed it, some step fills it in both groups at once (a single
+// budget would have split it between them), and every output is still the request's alone.
+TEST(SchedulerPlans, EachGroupHasTheWholeStepBudget) {
+  FakeExecutor x(3, 40, 4, 256, 2);
+  Scheduler s(x, SchedulerConfig{8, 0, true});
+  std::mt19937 rng(17);
+  const Submitted submitted =
+      submit_all(s, rng, 8, [](int i) { return 9 + 5 * i; }, [](int i) { return 3 + i % 4; });
+  const auto got = run_to_end(s);
+  for (const auto& [id, req] : submitted) EXPECT_EQ(got.at(id), alone(req.first, req.second)) << id;
+  size_t most = 0;
+  for (const auto& rec : x.plans) {
+    int64_t per_group[2] = {0, 0};
+    for (const runtime::StepRow& row : rec.plan.rows) per_group[x.group_of(row.seq)] += row.count;
+    EXPECT_LE(per_group[0], 8);
+    EXPECT_LE(per_group[1], 8);
+    most = std::max(most, rec.plan.tokens.size());
+  }
+  EXPECT_EQ(most, 16u) << "no step gave both groups their whole budget";
+  EXPECT_EQ(s.stats().blocks_used, 0);
+}
+
+// Groups split the executor's sequences and blocks evenly, and the step budget must let every
+// sequence of one group decode.
+TEST(SchedulerPlans, GroupBudgetsAreCheckedPerGroup) {
+  FakeExecutor x(4, 32, 4, 256, 2);  // 8 sequences, 4 per group
+  EXPECT_NO_THROW(Scheduler(x, SchedulerConfig{4, 0, true}));
+  auto e = test::expect_error([&] { Scheduler s(x, SchedulerConfig{3, 0, true}); });
+  EXPECT_NE(e.message().find("max_step_tokens (3) must be at least max_batch (4)"), std::string::npos)
+      << e.message();
+}
+
 TEST(SchedulerPlans, ARequestMakesRoomOnlyInItsOwnGroup) {
   FakeExecutor x(2, 8, 4, 256, 2);
   Scheduler s(x, SchedulerConfig{32, 0, true});
