@@ -1,0 +1,338 @@
+#include "runtime/remote_executor.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <optional>
+
+#include "moe/errors.h"
+#include "runtime/step_wire.h"
+
+namespace moe::runtime {
+
+namespace {
+
+enum class Call : uint8_t { kLimits = 1, kOpen, kClose, kLength, kReusePrefix, kKvUsage, kGroupOf, kGroupKvUsage, kRun };
+constexpr uint8_t kOk = 0, kFailed = 1;
+constexpr uint8_t kLastErrorKind = static_cast<uint8_t>(ErrorKind::kInternal);
+
+// A request or reply being written: numbers in the host's (little-endian, as step_wire checks)
+// byte order.
+struct Out {
+  std::vector<uint8_t> bytes;
+  template <typename T>
+  Out& put(T v) {
+    const size_t at = bytes.size();
+    bytes.resize(at + sizeof(T));
+    std::memcpy(bytes.data() + at, &v, sizeof(T));
+    return *this;
+  }
+  Out& put_bytes(std::span<const uint8_t> b) {
+    bytes.insert(bytes.end(), b.begin(), b.end());
+    return *this;
+  }
+};
+
+// A request or reply being read; every read checks that its bytes are there.
+class In {
+ public:
+  In(std::span<const uint8_t> bytes, const char* what) : bytes_(bytes), what_(what) {}
+  template <typename T>
+  T get() {
+    MOE_CHECK(bytes_.size() - at_ >= sizeof(T), kFormat, "{}: {} bytes end early", what_, bytes_.size());
+    T v;
+    std::memcpy(&v, bytes_.data() + at_, sizeof(T));
+    at_ += sizeof(T);
+    return v;
+  }
+  std::span<const uint8_t> rest() {
+    const auto r = bytes_.subspan(at_);
+    at_ = bytes_.size();
+    return r;
+  }
+  void end() const {
+    MOE_CHECK(at_ == bytes_.size(), kFormat, "{}: {} bytes past its end", what_, bytes_.size() - at_);
+  }
+
+ private:
+  std::span<const uint8_t> bytes_;
+  size_t at_ = 0;
+  const char* what_;
+};
+
+// Waits until fd is ready for `events`; timeout_ms < 0 waits as long as it takes.
+void wait_for(int fd, short events, int timeout_ms, const char* peer) {
+  pollfd p{fd, events, 0};
+  for (;;) {
+    const int n = ::poll(&p, 1, timeout_ms);
+    if (n > 0) return;
+    if (n == 0) MOE_THROW(kIo, "{}: no answer within {} s", peer, timeout_ms / 1000.0);
+    MOE_CHECK(errno == EINTR, kIo, "{}: poll failed: {}", peer, std::strerror(errno));
+  }
+}
+
+void write_all(int fd, const uint8_t* p, size_t n, int timeout_ms, const char* peer) {
+  while (n > 0) {
+    wait_for(fd, POLLOUT, timeout_ms, peer);
+    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);  // a closed peer is an error, not SIGPIPE
+    if (w < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    MOE_CHECK(w > 0, kIo, "{}: the connection closed ({})", peer, std::strerror(errno));
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+// False when the peer closed the connection before the first byte (only where allowed).
+bool read_all(int fd, uint8_t* p, size_t n, int timeout_ms, const char* peer, bool eof_ok) {
+  const size_t want = n;
+  while (n > 0) {
+    wait_for(fd, POLLIN, timeout_ms, peer);
+    const ssize_t r = ::recv(fd, p, n, 0);
+    if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (r == 0 && n == want && eof_ok) return false;
+    MOE_CHECK(r > 0, kIo, "{}: the connection closed{}", peer,
+              r == 0 ? (n == want ? "" : " inside a message") : std::string(" (") + std::strerror(errno) + ")");
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+void send_frame(int fd, const std::vector<uint8_t>& bytes, int timeout_ms, const char* peer) {
+  MOE_CHECK(bytes.size() <= kMaxFrameBytes, kInvalidArgument, "{}: a message of {} bytes is past the {} byte limit",
+            peer, bytes.size(), kMaxFrameBytes);
+  const auto n = static_cast<uint32_t>(bytes.size());
+  uint8_t head[4];
+  std::memcpy(head, &n, 4);
+  write_all(fd, head, 4, timeout_ms, peer);
+  write_all(fd, bytes.data(), bytes.size(), timeout_ms, peer);
+}
+
+// nullopt when the peer closed the connection between messages.
+std::optional<std::vector<uint8_t>> recv_frame(int fd, int timeout_ms, const char* peer) {
+  uint8_t head[4];
+  if (!read_all(fd, head, 4, timeout_ms, peer, true)) return std::nullopt;
+  uint32_t n = 0;
+  std::memcpy(&n, head, 4);
+  MOE_CHECK(n <= kMaxFrameBytes, kFormat, "{}: a message of {} bytes is past the {} byte limit", peer, n,
+            kMaxFrameBytes);
+  std::vector<uint8_t> bytes(n);
+  read_all(fd, bytes.data(), n, timeout_ms, peer, false);
+  return bytes;
+}
+
+constexpr const char* kWorker = "executor worker";
+constexpr const char* kDriver = "executor driver";
+
+Out request(Call c) { return Out{}.put(static_cast<uint8_t>(c)); }
+
+KvUsage get_usage(In& in) {
+  KvUsage u;
+  u.total = in.get<int64_t>();
+  u.free = in.get<int64_t>();
+  u.cached = in.get<int64_t>();
+  return u;
+}
+
+void put_usage(Out& out, const KvUsage& u) { out.put(u.total).put(u.free).put(u.cached); }
+
+// The reply to one request; throws what the executor throws (kFormat for a malformed request).
+Out answer(Executor& x, In& in, Call call) {
+  Out out;
+  switch (call) {
+    case Call::kLimits: {
+      in.end();
+      const ExecutorLimits& l = x.limits();
+      out.put(l.max_sequences).put(l.max_context).put(l.block_size).put(l.kv_blocks).put(l.vocab).put(l.groups);
+      return out;
+    }
+    case Call::kOpen:
+      in.end();
+      return out.put(x.open());
+    case Call::kClose: {
+      const auto seq = in.get<int32_t>();
+      in.end();
+      x.close(seq);
+      return out;
+    }
+    case Call::kLength: {
+      const auto seq = in.get<int32_t>();
+      in.end();
+      return out.put(x.length(seq));
+    }
+    case Call::kReusePrefix: {
+      const auto seq = in.get<int32_t>();
+      const std::span<const uint8_t> rest = in.rest();
+      MOE_CHECK(rest.size() % 4 == 0, kFormat, "{}: a prefix of {} bytes is not whole token ids", kDriver, rest.size());
+      std::vector<int32_t> tokens(rest.size() / 4);
+      if (!tokens.empty()) std::memcpy(tokens.data(), rest.data(), rest.size());
+      return out.put(x.reuse_prefix(seq, tokens));
+    }
+    case Call::kKvUsage:
+      in.end();
+      put_usage(out, x.kv_usage());
+      return out;
+    case Call::kGroupOf: {
+      const auto seq = in.get<int32_t>();
+      in.end();
+      return out.put(static_cast<int32_t>(x.group_of(seq)));
+    }
+    case Call::kGroupKvUsage: {
+      const auto group = in.get<int32_t>();
+      in.end();
+      put_usage(out, x.group_kv_usage(group));
+      return out;
+    }
+    case Call::kRun: {
+      const StepPlan plan = decode_plan(in.rest());
+      return out.put_bytes(encode_result(x.run(plan)));
+    }
+  }
+  MOE_THROW(kFormat, "{}: unknown call {}", kDriver, static_cast<int>(call));
+}
+
+}  // namespace
+
+RemoteExecutor::RemoteExecutor(int fd, double timeout_s)
+    : fd_(fd), timeout_ms_(static_cast<int>(std::lround(std::min(timeout_s, 2.0e6) * 1000))) {
+  MOE_CHECK(fd >= 0, kInvalidArgument, "{}: no connection (fd {})", kWorker, fd);
+  try {
+    MOE_CHECK(timeout_s > 0, kInvalidArgument, "{}: the timeout must be positive, got {} s", kWorker, timeout_s);
+    ask_limits();
+  } catch (...) {
+    ::close(fd_);  // taken: a failed construction closes it too
+    throw;
+  }
+}
+
+void RemoteExecutor::ask_limits() {
+  const std::vector<uint8_t> reply = call(request(Call::kLimits).bytes);
+  In in(reply, "executor worker's limits");
+  limits_.max_sequences = in.get<int64_t>();
+  limits_.max_context = in.get<int64_t>();
+  limits_.block_size = in.get<int64_t>();
+  limits_.kv_blocks = in.get<int64_t>();
+  limits_.vocab = in.get<int64_t>();
+  limits_.groups = in.get<int64_t>();
+  in.end();
+  const ExecutorLimits& l = limits_;
+  MOE_CHECK(l.max_sequences >= 1 && l.max_context >= 1 && l.block_size >= 1 && l.kv_blocks >= 1 && l.vocab >= 1 &&
+                l.groups >= 1,
+            kFormat, "{}: impossible limits ({} sequences, context {}, blocks {} of {}, vocabulary {}, {} groups)",
+            kWorker, l.max_sequences, l.max_context, l.kv_blocks, l.block_size, l.vocab, l.groups);
+}
+
+RemoteExecutor::~RemoteExecutor() { ::close(fd_); }
+
+std::vector<uint8_t> RemoteExecutor::call(const std::vector<uint8_t>& req) const {
+  send_frame(fd_, req, timeout_ms_, kWorker);
+  std::optional<std::vector<uint8_t>> reply = recv_frame(fd_, timeout_ms_, kWorker);
+  MOE_CHECK(reply.has_value(), kIo, "{}: the connection closed (did the worker exit?)", kWorker);
+  In in(*reply, "executor worker's reply");
+  const auto status = in.get<uint8_t>();
+  if (status == kOk) {
+    const std::span<const uint8_t> rest = in.rest();
+    return {rest.begin(), rest.end()};
+  }
+  MOE_CHECK(status == kFailed, kFormat, "{}: a reply of status {}", kWorker, static_cast<int>(status));
+  const auto kind = in.get<uint8_t>();
+  MOE_CHECK(kind <= kLastErrorKind, kFormat, "{}: an error of kind {}", kWorker, static_cast<int>(kind));
+  const std::span<const uint8_t> text = in.rest();
+  throw Error(static_cast<ErrorKind>(kind), std::string(text.begin(), text.end()), __FILE__, __LINE__);
+}
+
+int32_t RemoteExecutor::open() {
+  const auto reply = call(request(Call::kOpen).bytes);
+  In in(reply, "executor worker's open");
+  const auto seq = in.get<int32_t>();
+  in.end();
+  return seq;
+}
+
+void RemoteExecutor::close(int32_t seq) {
+  In(call(request(Call::kClose).put(seq).bytes), "executor worker's close").end();
+}
+
+int64_t RemoteExecutor::length(int32_t seq) const {
+  const auto reply = call(request(Call::kLength).put(seq).bytes);
+  In in(reply, "executor worker's length");
+  const auto n = in.get<int64_t>();
+  in.end();
+  return n;
+}
+
+int64_t RemoteExecutor::reuse_prefix(int32_t seq, std::span<const int32_t> tokens) {
+  Out req = request(Call::kReusePrefix).put(seq);
+  req.put_bytes({reinterpret_cast<const uint8_t*>(tokens.data()), tokens.size() * 4});
+  const auto reply = call(req.bytes);
+  In in(reply, "executor worker's prefix reuse");
+  const auto n = in.get<int64_t>();
+  in.end();
+  return n;
+}
+
+KvUsage RemoteExecutor::kv_usage() const {
+  const auto reply = call(request(Call::kKvUsage).bytes);
+  In in(reply, "executor worker's cache usage");
+  const KvUsage u = get_usage(in);
+  in.end();
+  return u;
+}
+
+int RemoteExecutor::group_of(int32_t seq) const {
+  const auto reply = call(request(Call::kGroupOf).put(seq).bytes);
+  In in(reply, "executor worker's group");
+  const auto g = in.get<int32_t>();
+  in.end();
+  MOE_CHECK(g >= 0 && g < limits_.groups, kFormat, "{}: group {} of {}", kWorker, g, limits_.groups);
+  return g;
+}
+
+KvUsage RemoteExecutor::group_kv_usage(int group) const {
+  const auto reply = call(request(Call::kGroupKvUsage).put(static_cast<int32_t>(group)).bytes);
+  In in(reply, "executor worker's group cache usage");
+  const KvUsage u = get_usage(in);
+  in.end();
+  return u;
+}
+
+StepResult RemoteExecutor::run(const StepPlan& plan) {
+  StepResult r = decode_result(call(request(Call::kRun).put_bytes(encode_plan(plan)).bytes));
+  MOE_CHECK(r.tokens.size() == plan.rows.size() && r.logits.size() == plan.rows.size(), kFormat,
+            "{}: a result of {} rows for a step of {}", kWorker, r.tokens.size(), plan.rows.size());
+  return r;
+}
+
+void serve_executor(Executor& executor, int fd) {
+  for (;;) {
+    std::optional<std::vector<uint8_t>> req = recv_frame(fd, -1, kDriver);
+    if (!req) return;
+    Out reply;
+    bool broken = false;  // the request itself could not be read
+    try {
+      In in(*req, "executor request");
+      const auto call = in.get<uint8_t>();
+      broken = call < static_cast<uint8_t>(Call::kLimits) || call > static_cast<uint8_t>(Call::kRun);
+      MOE_CHECK(!broken, kFormat, "{}: unknown call {}", kDriver, static_cast<int>(call));
+      reply = Out{}.put(kOk);
+      reply.put_bytes(answer(executor, in, static_cast<Call>(call)).bytes);
+    } catch (const Error& e) {
+      broken = broken || e.kind() == ErrorKind::kFormat;
+      reply = Out{}.put(kFailed).put(static_cast<uint8_t>(e.kind()));
+      reply.put_bytes({reinterpret_cast<const uint8_t*>(e.message().data()), e.message().size()});
+    } catch (const std::exception& e) {
+      const std::string text = e.what();
+      reply = Out{}.put(kFailed).put(static_cast<uint8_t>(ErrorKind::kInternal));
+      reply.put_bytes({reinterpret_cast<const uint8_t*>(text.data()), text.size()});
+    }
+    send_frame(fd, reply.bytes, -1, kDriver);
+    if (broken) return;
+  }
+}
+
+}  // namespace moe::runtime

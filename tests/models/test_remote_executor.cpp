@@ -1,0 +1,209 @@
+// The executor across a socket (runtime/remote_executor.h): the scheduler driving a CPU executor
+// through a socketpair and a worker thread generates exactly what it generates with the executor
+// in hand; a refused call comes back with its kind and message; a worker that dies, stalls or
+// answers garbage is reported in one line instead of hanging the driver; a driver that sends
+// garbage gets an error and the worker stops reading.
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <map>
+#include <random>
+#include <thread>
+
+#include "backend/cpu/cpu_executor.h"
+#include "model/model.h"
+#include "runtime/remote_executor.h"
+#include "serve/scheduler.h"
+#include "../support/fixtures.h"
+#include "../unit/test_util.h"
+
+namespace moe {
+namespace {
+
+using runtime::RemoteExecutor;
+using serve::Event;
+using serve::RequestOptions;
+using serve::Scheduler;
+using test::expect_error;
+using test::fixture_dir;
+
+struct SocketPair {
+  int driver = -1, worker = -1;
+  SocketPair() {
+    int fds[2];
+    EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+    driver = fds[0];
+    worker = fds[1];
+  }
+  ~SocketPair() {
+    if (worker >= 0) ::close(worker);
+  }
+};
+
+cpu::ExecutorOptions small_pool() {
+  cpu::ExecutorOptions o;
+  o.kv_blocks = 10;  // tight enough that the mix below preempts
+  o.block_size = 8;
+  o.max_sequences = 4;
+  return o;
+}
+
+// Every request's tokens when a scheduler over `x` runs them all, with the prompts and lengths
+// drawn from `seed`; *preemptions and *prefix_hits receive the scheduler's counts.
+std::map<uint64_t, std::vector<int32_t>> serve_all(runtime::Executor& x, uint32_t seed, int64_t vocab,
+                                                   int64_t* preemptions, int64_t* prefix_hits) {
+  Scheduler s(x, serve::SchedulerConfig{24, 0, true});
+  std::mt19937 rng(seed);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 7; ++i) {
+    std::vector<int32_t> prompt(static_cast<size_t>(5 + 9 * i % 31));
+    for (auto& t : prompt) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
+    if (i == 6) prompt.insert(prompt.begin(), prompts[3].begin(), prompts[3].end());  // four cached blocks
+    prompts.push_back(prompt);
+    RequestOptions o;
+    o.max_tokens = 6 + i % 3;
+    if (i % 2) o.sampling.temperature = 0.8f, o.sampling.seed = 100 + static_cast<uint64_t>(i);
+    s.submit(prompt, o);
+  }
+  std::map<uint64_t, std::vector<int32_t>> out;
+  for (int step = 0; s.busy() && step < 1000; ++step)
+    for (const Event& e : s.step())
+      if (e.token >= 0) out[e.id].push_back(e.token);
+  EXPECT_FALSE(s.busy()) << "the scheduler made no progress";
+  *preemptions = s.stats().preemptions;
+  *prefix_hits = s.stats().prefix_hit_tokens;
+  return out;
+}
+
+TEST(RemoteExecutor, TheSchedulerAcrossASocketGeneratesWhatItDoesInProcess) {
+  auto model = Model::load(fixture_dir("tiny_qwen3_moe"));
+  const int64_t vocab = model->config().vocab_size;
+  cpu::Executor local(*model, small_pool());
+  int64_t preemptions = 0, hits = 0, remote_preemptions = 0, remote_hits = 0;
+  const auto want = serve_all(local, 7, vocab, &preemptions, &hits);
+  EXPECT_GT(preemptions, 0) << "the workload should make the scheduler preempt";
+  EXPECT_GT(hits, 0) << "the workload should reuse a cached prefix";
+
+  cpu::Executor served(*model, small_pool());
+  SocketPair sp;
+  std::thread worker([&] { runtime::serve_executor(served, sp.worker); });
+  {
+    RemoteExecutor remote(sp.driver, 30.0);
+    EXPECT_EQ(remote.limits().max_sequences, 4);
+    EXPECT_EQ(remote.limits().kv_blocks, local.limits().kv_blocks);
+    EXPECT_EQ(remote.limits().vocab, vocab);
+    EXPECT_EQ(serve_all(remote, 7, vocab, &remote_preemptions, &remote_hits), want);
+    EXPECT_EQ(remote_preemptions, preemptions);
+    EXPECT_EQ(remote_hits, hits);
+    EXPECT_EQ(remote.kv_usage().free, local.kv_usage().free);
+  }  // closing the driver's end ends the worker's loop
+  worker.join();
+}
+
+TEST(RemoteExecutor, RefusedCallsComeBackWithTheirKindAndMessage) {
+  auto model = Model::load(fixture_dir("tiny_qwen3_moe"));
+  cpu::Executor local(*model, small_pool()), served(*model, small_pool());
+  SocketPair sp;
+  std::thread worker([&] { runtime::serve_executor(served, sp.worker); });
+  {
+    RemoteExecutor remote(sp.driver, 30.0);
+    const Error want = expect_error([&] { local.length(77); });
+    const Error got = expect_error([&] { remote.length(77); });
+    EXPECT_EQ(got.kind(), want.kind());
+    EXPECT_EQ(got.message(), want.message());
+    runtime::StepPlan plan;
+    const int32_t seq = remote.open();
+    plan.tokens = {1, static_cast<int32_t>(model->config().vocab_size)};
+    plan.rows.push_back({seq, 0, 2, true, {}, 0, runtime::RowLogits::kNone});
+    const Error bad = expect_error([&] { remote.run(plan); });
+    EXPECT_EQ(bad.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(bad.message().find("outside the vocabulary"), std::string::npos) << bad.message();
+    EXPECT_EQ(remote.length(seq), 0);  // nothing ran; the worker still serves
+    remote.close(seq);
+  }
+  worker.join();
+}
+
+// A stand-in worker: reads one request, then does `act` with its end of the socket.
+void fake_worker(int fd, const std::function<void(int)>& act) {
+  uint32_t n = 0;
+  ASSERT_EQ(::read(fd, &n, 4), 4);
+  std::vector<uint8_t> body(n);
+  ASSERT_EQ(::read(fd, body.data(), n), static_cast<ssize_t>(n));
+  act(fd);
+}
+
+void write_frame(int fd, const std::vector<uint8_t>& bytes, uint32_t declared) {
+  ASSERT_EQ(::write(fd, &declared, 4), 4);
+  if (!bytes.empty()) {
+    ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+  }
+}
+
+Error remote_refused(const std::function<void(int)>& act, double timeout_s = 10.0) {
+  SocketPair sp;
+  std::thread worker([&] { fake_worker(sp.worker, act); });
+  Error e = expect_error([&] { RemoteExecutor remote(sp.driver, timeout_s); });
+  ::shutdown(sp.worker, SHUT_RDWR);  // releases a stand-in that waits for the driver
+  worker.join();
+  return e;
+}
+
+TEST(RemoteExecutor, ADeadStalledOrGarbledWorkerIsReportedInOneLine) {
+  // Exits (closes the connection) without answering.
+  Error e = remote_refused([](int fd) { ::shutdown(fd, SHUT_RDWR); });
+  EXPECT_EQ(e.kind(), ErrorKind::kIo);
+  EXPECT_NE(e.message().find("the connection closed"), std::string::npos) << e.message();
+  // Never answers.
+  e = remote_refused([](int) {}, 0.2);
+  EXPECT_EQ(e.kind(), ErrorKind::kIo);
+  EXPECT_NE(e.message().find("no answer within 0.2 s"), std::string::npos) << e.message();
+  // Announces a 4 GiB reply.
+  e = remote_refused([](int fd) { write_frame(fd, {}, 0xffffffffu); });
+  EXPECT_EQ(e.kind(), ErrorKind::kFormat);
+  EXPECT_NE(e.message().find("past the 1073741824 byte limit"), std::string::npos) << e.message();
+  // Dies inside its reply.
+  e = remote_refused([](int fd) {
+    write_frame(fd, {0, 1, 2}, 49);
+    ::shutdown(fd, SHUT_RDWR);
+  });
+  EXPECT_EQ(e.kind(), ErrorKind::kIo);
+  EXPECT_NE(e.message().find("closed inside a message"), std::string::npos) << e.message();
+  // An unknown status, an unknown error kind, limits cut short, impossible limits.
+  e = remote_refused([](int fd) { write_frame(fd, {7}, 1); });
+  EXPECT_NE(e.message().find("a reply of status 7"), std::string::npos) << e.message();
+  e = remote_refused([](int fd) { write_frame(fd, {1, 42, 'x'}, 3); });
+  EXPECT_NE(e.message().find("an error of kind 42"), std::string::npos) << e.message();
+  e = remote_refused([](int fd) { write_frame(fd, {0, 1, 0, 0, 0}, 5); });
+  EXPECT_EQ(e.kind(), ErrorKind::kFormat);
+  EXPECT_NE(e.message().find("end early"), std::string::npos) << e.message();
+  e = remote_refused([](int fd) { write_frame(fd, std::vector<uint8_t>(49, 0), 49); });
+  EXPECT_NE(e.message().find("impossible limits"), std::string::npos) << e.message();
+}
+
+TEST(RemoteExecutor, AGarbledRequestGetsAnErrorAndEndsTheWorker) {
+  auto model = Model::load(fixture_dir("tiny_qwen3_moe"));
+  cpu::Executor served(*model, small_pool());
+  for (const std::vector<uint8_t>& request : {std::vector<uint8_t>{99}, std::vector<uint8_t>{2, 0},
+                                              std::vector<uint8_t>{9, 'n', 'o', 't', ' ', 'a', ' ', 'p'}}) {
+    SocketPair sp;
+    std::thread worker([&] { runtime::serve_executor(served, sp.worker); });
+    write_frame(sp.driver, request, static_cast<uint32_t>(request.size()));
+    uint32_t n = 0;
+    ASSERT_EQ(::read(sp.driver, &n, 4), 4);
+    std::vector<uint8_t> reply(n);
+    ASSERT_EQ(::read(sp.driver, reply.data(), n), static_cast<ssize_t>(n));
+    ASSERT_GE(reply.size(), 2u);
+    EXPECT_EQ(reply[0], 1) << "not an error reply";
+    EXPECT_EQ(reply[1], static_cast<uint8_t>(ErrorKind::kFormat));
+    worker.join();  // returned after the error, without waiting for more
+    ::close(sp.driver);
+  }
+}
+
+}  // namespace
+}  // namespace moe
