@@ -55,9 +55,11 @@ class RemoteExecutor final : public Executor {
 };
 
 // Answers the requests arriving on `fd` with `executor` until the driver closes the connection
-// (then returns). A call that throws is answered with its error; a request that cannot be read
-// (bad frame, unknown call) is answered with a kFormat error and ends the loop, as the stream can
-// no longer be trusted. Does not close `fd`.
+// between requests (then returns). A call that throws is answered with its error; a request that
+// cannot be decoded (an unknown call, arguments cut short or left over, a malformed plan) is
+// answered with a kFormat error and ends the loop, as the stream can no longer be trusted. A
+// frame past kMaxFrameBytes (kFormat) or a driver that goes away inside a message (kIo) throws.
+// Does not close `fd`.
 void serve_executor(Executor& executor, int fd);
 
 }  // namespace moe::runtime
