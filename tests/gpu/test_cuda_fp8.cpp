@@ -3,8 +3,8 @@
 // codes (one token, the direct and the grouped forms) and their W8A8 GEMM paths past it (mma.sync,
 // and wgmma on sm_90), on ragged routing, idle experts, every token on one expert and widths with
 // partial edge blocks;
-// the dense projection's FP8 GEMV, its W8A8 form on cuBLASLt's block-scaled GEMM and its widened
-// cuBLASLt form; and the engine's weight store
+// the dense projection's FP8 GEMV, its tensor-core kernel for 4-32 rows (every code widened
+// exactly), its W8A8 form on cuBLASLt's block-scaled GEMM and its widened cuBLASLt form; and the engine's weight store
 // holding a checkpoint's FP8 tensors as stored (its bytes are those of the files, not a bf16
 // copy). Outputs poisoned first. Skipped, visibly, where no CUDA device exists.
 #include <gtest/gtest.h>
@@ -18,6 +18,7 @@
 #include "backend/cuda/engine/projection.h"
 #include "backend/cuda/ops/fill_launch.h"
 #include "backend/cuda/ops/fp8_blocks_launch.h"
+#include "backend/cuda/ops/gemm_fp8_rows_launch.h"
 #include "backend/cuda_moe.h"
 #include "gpu_test_util.h"
 #include "io/checkpoint.h"
@@ -311,9 +312,10 @@ TEST(CudaFp8, ExpertsRefuseWhatTheyCannotRun) {
   }
 }
 
-// The dense projection: y = x · wᵀ in f32 for rows 1 to 8 (GEMV on the codes: the weights are
-// exact, only f32 summation order differs from the double reference) and 40 (widened to bf16
-// for cuBLASLt: each weight rounded to bf16).
+// The dense projection: y = x · wᵀ in f32 for rows 1 to 32 (the GEMV on the codes for 1-3 rows,
+// the tensor-core kernel on them from 4: the weights are exact, only f32 summation order
+// differs from the double reference) and 40 (widened to bf16 for cuBLASLt: each weight rounded
+// to bf16).
 TEST(CudaFp8, DenseProjectionWithPartialBlocks) {
   REQUIRE_GPU();
   std::mt19937 rng(14);
@@ -323,7 +325,7 @@ TEST(CudaFp8, DenseProjectionWithPartialBlocks) {
   DeviceBuffer<float> scales(w.scales);
   cuda::Blas blas;
   blas.reserve_widened(static_cast<size_t>(n * k));
-  for (int64_t m : {1, 2, 5, 8, 40}) {
+  for (int64_t m : {1, 2, 3, 4, 5, 8, 9, 10, 16, 17, 24, 31, 32, 40}) {
     const auto x = gputest::random_bf16_exact(static_cast<size_t>(m * k), rng, 1.0f);
     DeviceBuffer<uint16_t> dx(gputest::to_bf16(x));
     DeviceBuffer<float> dy(static_cast<size_t>(m * n));
@@ -336,8 +338,60 @@ TEST(CudaFp8, DenseProjectionWithPartialBlocks) {
         want += static_cast<double>(x[static_cast<size_t>(i * k + c)]) * w.values[static_cast<size_t>(j * k + c)];
       return want;
     });
-    EXPECT_LE(error, m <= 8 ? 1e-5 : 5e-3) << "m=" << m;
+    EXPECT_LE(error, m <= cuda::kernels::kFp8RowsMaxRows ? 1e-5 : 5e-3) << "m=" << m;
   }
+}
+
+// The tensor-core kernel widens each E4M3 code to bf16 exactly and puts each product where it
+// belongs: with one non-zero x per row (a power of two at a column that moves with the row), each
+// output is one code times its block's scale, exactly. Every finite code, subnormals and both
+// zeros included, sits at the probed columns of some weight row; rows past a 16-row tile, and
+// row counts 1-32 that leave x tiles partly empty, check the fragment layout; the scales differ
+// per block in both directions.
+TEST(CudaFp8, RowsKernelReadsEveryCodeExactlyWhereItBelongs) {
+  REQUIRE_GPU();
+  const int n = 300, k = 384;  // three column blocks; the last row block partial
+  std::vector<uint8_t> codes(static_cast<size_t>(n * k));
+  for (int r = 0; r < n; ++r)
+    for (int c = 0; c < k; ++c) {
+      const uint8_t q = static_cast<uint8_t>((r * 7 + c * 13) % 256);
+      codes[static_cast<size_t>(r * k + c)] = (q & 0x7f) == 0x7f ? 0 : q;  // no NaN
+    }
+  std::vector<float> scales(static_cast<size_t>(blocks(n) * blocks(k)));
+  for (size_t b = 0; b < scales.size(); ++b) scales[b] = std::ldexp(1.0f, static_cast<int>(b % 5) - 2);
+  DeviceBuffer<uint8_t> dw(codes);
+  DeviceBuffer<float> ds(scales);
+  for (int m : {1, 4, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32}) {
+    std::vector<float> x(static_cast<size_t>(m * k), 0.0f);
+    auto column = [&](int i) { return (i * 37 + 5) % k; };
+    for (int i = 0; i < m; ++i) x[static_cast<size_t>(i * k + column(i))] = std::ldexp(1.0f, i % 3);
+    DeviceBuffer<uint16_t> dx(gputest::to_bf16(x));
+    DeviceBuffer<float> dy(static_cast<size_t>(m * n));
+    dy.poison();
+    ASSERT_EQ(cuda::kernels::gemm_fp8_rows(dx.get(), dw.get(), ds.get(), dy.get(), true, m, n, k, n, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto y = dy.download();
+    int wrong = 0;
+    for (int i = 0; i < m; ++i)
+      for (int r = 0; r < n; ++r) {
+        const int c = column(i);
+        const float want = f8e4m3_to_f32(codes[static_cast<size_t>(r * k + c)]) *
+                           scales[static_cast<size_t>((r / 128) * blocks(k) + c / 128)] * std::ldexp(1.0f, i % 3);
+        const float got = y[static_cast<size_t>(i * n + r)];
+        if (!(got == want) && wrong++ < 5) ADD_FAILURE() << "m=" << m << " y[" << i << "][" << r << "] = " << got << ", want " << want;
+      }
+    EXPECT_EQ(wrong, 0) << "m=" << m;
+  }
+  // Outside its limits it declines with nothing launched.
+  DeviceBuffer<float> dy(33 * n);
+  DeviceBuffer<uint16_t> dx(33 * k);
+  EXPECT_EQ(cuda::kernels::gemm_fp8_rows(dx.get(), dw.get(), ds.get(), dy.get(), true, 33, n, k, n, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::kernels::gemm_fp8_rows(dx.get(), dw.get(), ds.get(), dy.get(), true, 8, n, 120, n, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::kernels::gemm_fp8_rows(dx.get(), dw.get(), nullptr, dy.get(), true, 8, n, k, n, nullptr),
+            cudaErrorInvalidValue);
 }
 
 // cuBLASLt's block-scaled W8A8 GEMM against the product of exactly what it is given: x quantised
@@ -396,11 +450,12 @@ TEST(CudaFp8, BlockScaledGemmMatchesTheQuantisedProduct) {
                                       cuda::OutType::kF32, 12, n, 128, nullptr));
 }
 
-// The dense projection past the GEMV: W8A8 on the block-scaled GEMM for the rows in multiples of
-// four, the GEMV on the codes for the one to three after them, into every other row of a wider
-// output (ldy) whose other columns stay untouched. Against the exactly dequantised weights: the
-// GEMV's rows within f32 summation, the W8A8 rows within the activation rounding of E4M3. Widths
-// of one or two 128-column blocks (the tiny fixtures') take the widened bf16 form instead.
+// The dense projection past 32 rows: W8A8 on the block-scaled GEMM for the rows in multiples of
+// four, the GEMV on the codes for the one to three after them; up to 32 rows the codes are read
+// directly. Into every other row of a wider output (ldy) whose other columns stay untouched.
+// Against the exactly dequantised weights: the direct and GEMV rows within f32 summation, the
+// W8A8 rows within the activation rounding of E4M3. Widths of one or two 128-column blocks (the
+// tiny fixtures') take the widened bf16 form past 32 rows instead.
 TEST(CudaFp8, DenseProjectionPastTheGemvRunsW8A8) {
   REQUIRE_GPU();
   std::mt19937 rng(16);
@@ -421,7 +476,7 @@ TEST(CudaFp8, DenseProjectionPastTheGemvRunsW8A8) {
     cuda::Blas blas;
     blas.reserve_widened(static_cast<size_t>(n * k));
     blas.reserve_fp8_rows(301, k);
-    for (int64_t m : {9, 10, 11, 12, 13, 24, 40, 301}) {
+    for (int64_t m : {9, 13, 32, 33, 35, 40, 301}) {
       const std::string at = "n=" + std::to_string(n) + " k=" + std::to_string(k) + " m=" + std::to_string(m);
       const auto x = gputest::random_bf16_exact(static_cast<size_t>(m * k), rng, 1.0f);
       DeviceBuffer<uint16_t> dx(gputest::to_bf16(x));
@@ -443,6 +498,11 @@ TEST(CudaFp8, DenseProjectionPastTheGemvRunsW8A8) {
       for (int64_t i = 0; i < m; ++i)
         for (int64_t j = n; j < ldy; ++j)
           ASSERT_TRUE(std::isnan(y[static_cast<size_t>(i * ldy + j)])) << at << " wrote column " << j;
+      if (m <= cuda::kernels::kFp8RowsMaxRows) {
+        // Direct: exact weights and x; a bf16 output rounds.
+        EXPECT_LE(relative_error(y, ldy, n, 0, m, want), sh.bf16 ? 5e-3 : 1e-5) << at << ", direct";
+        continue;
+      }
       if (!w8a8) {
         // Widened: each weight rounded to bf16, x exact.
         EXPECT_LE(relative_error(y, ldy, n, 0, m, want), 5e-3) << at << ", widened";

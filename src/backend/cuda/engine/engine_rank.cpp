@@ -12,7 +12,6 @@
 #include "backend/cuda/attention/latent_attention_launch.h"
 #include "backend/cuda/ops/ops_launch.h"
 #include "backend/cuda/engine/projection.h"
-#include "backend/cuda/ops/gemv_launch.h"
 #include "backend/cuda/moe/router_params.h"
 #include "moe/errors.h"
 
@@ -72,17 +71,19 @@ void Rank::setup(const std::string& dir) {
   // quantised for the W8A8 GEMM, and the largest matrix widened for shapes that GEMM does not take.
   size_t widest = 0;
   int64_t widest_cols = 0;
+  bool needs_room = false;
   auto widens = [&](const DeviceMatrix& m) {
     if (!m || !m.format.scaled()) return;
     widest = std::max(widest, static_cast<size_t>(m.rows * m.cols));
     widest_cols = std::max(widest_cols, m.cols);
+    needs_room = needs_room || fp8_projection_needs_room(max_tokens, m.cols);
   };
   widens(model->lm_head);
   for (const DeviceLayer& L : model->layers)
     for (const DeviceMatrix* m : {&L.q, &L.k, &L.v, &L.o, &L.q_a, &L.q_b, &L.kv_a, &L.mlp_gate_up, &L.mlp_down,
                                   &L.shared_gate_up, &L.shared_down, &L.shared_gate})
       widens(*m);
-  if (widest > 0 && max_tokens > kernels::kGemvMaxRows) {
+  if (needs_room) {
     blas->reserve_widened(widest);
     blas->reserve_fp8_rows(max_tokens, widest_cols);
   }

@@ -2,6 +2,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/ops/fp8_blocks_launch.h"
+#include "backend/cuda/ops/gemm_fp8_rows_launch.h"
 #include "backend/cuda/ops/gemv_launch.h"
 
 namespace moe::cuda {
@@ -14,7 +15,12 @@ void gemv_fp8(const void* x, const DeviceMatrix& w, void* y, OutType out, int64_
                                    static_cast<int>(ldy ? ldy : w.rows), stream));
 }
 
+// Rows read straight from the codes, each weight once for all of them.
+bool fp8_direct(int64_t rows, int64_t cols) { return rows <= kernels::kFp8RowsMaxRows && cols % 16 == 0; }
+
 }  // namespace
+
+bool fp8_projection_needs_room(int64_t rows, int64_t cols) { return !fp8_direct(rows, cols); }
 
 void project(Blas& blas, const void* x, const DeviceMatrix& w, void* y, OutType out, int64_t m, cudaStream_t stream,
              int64_t ldy) {
@@ -25,9 +31,16 @@ void project(Blas& blas, const void* x, const DeviceMatrix& w, void* y, OutType 
   }
   MOE_CHECK(w.format == kFp8Blocks, kUnsupported, "dense projection: no CUDA kernel reads {} weights",
             w.format.name());
-  // A few rows: the weight-streaming GEMV reads the codes.
-  if (m <= kernels::kGemvMaxRows && w.cols % 16 == 0) {
-    gemv_fp8(x, w, y, out, m, stream, ldy);
+  // Up to 32 rows the codes are read once: by the GEMV for 1-3 rows, by the tensor-core kernel
+  // (exact bf16 widening) from 4 (gemm_fp8_rows_launch.h says where each is faster).
+  if (fp8_direct(m, w.cols)) {
+    if (m < kernels::kFp8RowsMinRows) {
+      gemv_fp8(x, w, y, out, m, stream, ldy);
+      return;
+    }
+    MOE_CUDA_CHECK(kernels::gemm_fp8_rows(x, w.data, w.scales, y, out == OutType::kF32, static_cast<int>(m),
+                                          static_cast<int>(w.rows), static_cast<int>(w.cols),
+                                          static_cast<int>(ldy ? ldy : w.rows), stream));
     return;
   }
   // More: W8A8, x quantised per row and 128 columns, on cuBLASLt's block-scaled GEMM, which takes

@@ -1,10 +1,10 @@
 // Dense projections by weight format: the one place a projection's kernel is chosen from its
 // weight's format (backend/device_matrix.h). bf16 weights run through Blas (the weight-streaming
-// GEMV for a few rows, cuBLASLt otherwise); FP8 blocks through the same GEMV reading the codes
-// for a few rows, else W8A8 on cuBLASLt's block-scaled GEMM (x quantised into Blas's reserved
-// room), or, for shapes it does not take, widened to bf16 into Blas's reserved room first; a
-// format without kernels is refused with one line naming it. A new format adds its case here and its kernels, not a new
-// signature for callers.
+// GEMV for a few rows, cuBLASLt otherwise); FP8 blocks read as codes up to 32 rows (the same GEMV
+// for 1-3 rows, a tensor-core kernel from 4), else W8A8 on cuBLASLt's block-scaled GEMM (x
+// quantised into Blas's reserved room), or, for shapes it does not take, widened to bf16 into
+// Blas's reserved room first; a format without kernels is refused with one line naming it. A new
+// format adds its case here and its kernels, not a new signature for callers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,6 +21,10 @@ namespace moe::cuda {
 // one output.
 void project(Blas& blas, const void* x, const DeviceMatrix& w, void* y, OutType out, int64_t m, cudaStream_t stream,
              int64_t ldy = 0);
+
+// Whether project() over FP8 blocks of `cols` columns needs Blas's reserved room (rows quantised
+// for the W8A8 GEMM, or the matrix widened) for steps of up to `rows` rows.
+bool fp8_projection_needs_room(int64_t rows, int64_t cols);
 
 // One product per matrix of w (w.count of them, latent attention's heads): product b reads
 // x + b * x_stride (rows ldx apart) and writes y + b * y_stride (rows ldy apart); strides in
