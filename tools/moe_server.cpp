@@ -3,7 +3,13 @@
 // cuda, the CUDA engine. The request loop, the OpenAI routes and the HTTP layer live in
 // src/serve/; this is the main that loads the model, wires them together and handles the shutdown
 // signals.
+//
+// The executor may live in another process (runtime/remote_executor.h): `--serve-executor
+// HOST:PORT` makes this process a worker that loads the model and answers one driver's calls on
+// that address instead of serving HTTP; `--executor HOST:PORT` makes it the driver, which reads
+// only the config and tokenizer and schedules onto the worker.
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
@@ -18,12 +24,14 @@
 #include "backend/cuda_engine.h"
 #include "backend/device_info.h"
 #include "cli_common.h"
+#include "core/tcp_endpoint.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 #include "dist/dist_config.h"
 #include "model/config.h"
 #include "model/model.h"
 #include "moe/errors.h"
+#include "runtime/remote_executor.h"
 #include "serve/http/http_server.h"
 #include "serve/openai_api.h"
 #include "serve/request_loop.h"
@@ -92,11 +100,38 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     app.add_option("--max-connections", limits.max_connections, "open connections at once; more are answered 503")
         ->capture_default_str();
+    std::string serve_executor_at, executor_at;
+    double executor_timeout_s = 600;
+    app.add_option("--serve-executor", serve_executor_at,
+                   "HOST:PORT: be an executor worker: load the model as the other flags say, then answer one "
+                   "driver (moe-server --executor) on this address instead of serving HTTP; exits when it disconnects");
+    app.add_option("--executor", executor_at,
+                   "HOST:PORT: drive the executor of a worker (moe-server --serve-executor) instead of loading "
+                   "weights; -m gives the config and tokenizer, the worker's flags its device, parallelism and cache");
+    app.add_option("--executor-timeout", executor_timeout_s,
+                   "seconds to reach the other side of --executor/--serve-executor, and for each call")
+        ->capture_default_str();
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
       return app.exit(e);
     }
+    MOE_CHECK(serve_executor_at.empty() || executor_at.empty(), kInvalidArgument,
+              "--serve-executor and --executor: a process is a worker or its driver, not both");
+    MOE_CHECK(executor_timeout_s > 0, kInvalidArgument, "--executor-timeout must be positive, got {}",
+              executor_timeout_s);
+    if (!executor_at.empty()) {
+      for (const char* flag : {"--device", "--ep", "--tp", "--dp", "--ep-backend", "--random-weights", "--threads",
+                               "--max-batch", "--kv-blocks", "--block-size"})
+        MOE_CHECK(app.count(flag) == 0, kInvalidArgument,
+                  "--executor {}: {} belongs to the worker (moe-server --serve-executor), which holds the model",
+                  executor_at, flag);
+    }
+    const std::optional<net::Endpoint> worker_at =
+        serve_executor_at.empty() ? std::nullopt
+                                  : std::optional(net::parse_endpoint(serve_executor_at, "--serve-executor"));
+    const std::optional<net::Endpoint> driven_at =
+        executor_at.empty() ? std::nullopt : std::optional(net::parse_endpoint(executor_at, "--executor"));
     MOE_CHECK(device == "cpu" || device == "cuda", kInvalidArgument, "--device {}: valid devices are cpu and cuda", device);
     MOE_CHECK(!random_weights || device == "cuda", kInvalidArgument, "--random-weights needs --device cuda");
     if (device == "cuda") {
@@ -114,12 +149,13 @@ int main(int argc, char** argv) {
     MOE_CHECK(port >= 0 && port <= 65535, kInvalidArgument, "--port {} is not a port number", port);
     MOE_CHECK(max_prompt_tokens >= 0, kInvalidArgument, "--max-prompt-tokens must be >= 0, got {}", max_prompt_tokens);
 
-    // Block the shutdown signals before any thread starts, so that only the waiter below sees them.
+    // Block the shutdown signals before any thread starts, so that only the waiter below sees them
+    // (a worker keeps their default: it has nothing to finish).
     sigset_t signals;
     sigemptyset(&signals);
     sigaddset(&signals, SIGTERM);
     sigaddset(&signals, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+    if (!worker_at) pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
     MOE_CHECK(fs::is_directory(model_dir), kIo, "model directory {} does not exist", model_dir);
     const std::string tok_path = cli::tokenizer_path(model_dir, tokenizer);
@@ -128,7 +164,7 @@ int main(int argc, char** argv) {
     MOE_CHECK(block_size >= 1 && block_size <= 1024, kInvalidArgument, "--block-size must be in [1, 1024], got {}",
               block_size);
     std::unique_ptr<cuda::Engine> gpu;
-    if (device == "cuda") {
+    if (device == "cuda" && !driven_at) {
       cuda::EngineOptions eo;
       eo.max_batch = static_cast<int>(max_batch);
       eo.max_context = cfg.max_context;
@@ -160,9 +196,22 @@ int main(int argc, char** argv) {
     }
 
     std::unique_ptr<cpu::Executor> cpu_executor;
+    std::unique_ptr<runtime::RemoteExecutor> remote;
     runtime::Executor* executor = gpu.get();
     int64_t context = 0;
-    if (gpu) {
+    if (driven_at) {
+      remote = std::make_unique<runtime::RemoteExecutor>(net::connect_tcp(*driven_at, executor_timeout_s),
+                                                         executor_timeout_s);
+      executor = remote.get();
+      const runtime::ExecutorLimits& l = remote->limits();
+      MOE_CHECK(l.vocab == mc.vocab_size, kInvalidArgument,
+                "--executor {}: the worker's model has {} token ids, {}'s has {}: not the same model", executor_at,
+                l.vocab, model_dir, mc.vocab_size);
+      context = l.max_context;
+      std::fprintf(stderr, "moe-server: driving the executor at %s (%lld sequences, context %lld, %lld KV blocks of %lld tokens)\n",
+                   executor_at.c_str(), static_cast<long long>(l.max_sequences), static_cast<long long>(l.max_context),
+                   static_cast<long long>(l.kv_blocks), static_cast<long long>(l.block_size));
+    } else if (gpu) {
       context = gpu->options().max_context;
       const cuda::MemoryReport m = gpu->memory();
       std::string gpu_name = "GPU " + std::to_string(gpu->options().device);
@@ -190,6 +239,18 @@ int main(int argc, char** argv) {
                    static_cast<long long>(kv_blocks), static_cast<long long>(block_size),
                    static_cast<double>(kv_blocks) * block_size * mc.num_layers *
                        (mc.kv_key_width() + mc.kv_value_width()) * 4 / 1e9);
+    }
+    if (worker_at) {
+      int bound = 0;
+      const int listen_fd = net::listen_tcp(*worker_at, &bound);
+      std::fprintf(stderr, "moe-server: executor worker listening on %s:%d\n", worker_at->host.c_str(), bound);
+      std::fflush(stderr);
+      const int fd = net::accept_one(listen_fd);
+      ::close(listen_fd);  // one driver: its sequences are this executor's
+      runtime::serve_executor(*executor, fd, executor_timeout_s);
+      ::close(fd);
+      std::fprintf(stderr, "moe-server: the driver disconnected; the worker exits\n");
+      return 0;
     }
     auto scheduler = std::make_unique<serve::Scheduler>(*executor, cfg, &tok);
     serve::RequestLoop loop(std::move(scheduler));

@@ -1,7 +1,5 @@
 #include "runtime/remote_executor.h"
 
-#include <poll.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +8,8 @@
 #include <cstring>
 #include <optional>
 
+#include "core/byte_io.h"
+#include "core/socket_io.h"
 #include "moe/errors.h"
 #include "runtime/step_wire.h"
 
@@ -21,108 +21,64 @@ enum class Call : uint8_t { kLimits = 1, kOpen, kClose, kLength, kReusePrefix, k
 constexpr uint8_t kOk = 0, kFailed = 1;
 constexpr uint8_t kLastErrorKind = static_cast<uint8_t>(ErrorKind::kInternal);
 
-// A request or reply being written: numbers in the host's (little-endian, as step_wire checks)
-// byte order.
-struct Out {
-  std::vector<uint8_t> bytes;
-  template <typename T>
-  Out& put(T v) {
-    const size_t at = bytes.size();
-    bytes.resize(at + sizeof(T));
-    std::memcpy(bytes.data() + at, &v, sizeof(T));
-    return *this;
-  }
-  Out& put_bytes(std::span<const uint8_t> b) {
-    bytes.insert(bytes.end(), b.begin(), b.end());
-    return *this;
-  }
-};
+using Out = ByteWriter;
 
 // A request or reply being read; every read checks that its bytes are there.
 class In {
  public:
-  In(std::span<const uint8_t> bytes, const char* what) : bytes_(bytes), what_(what) {}
+  In(std::span<const uint8_t> bytes, const char* what) : in_(bytes), what_(what) {}
   template <typename T>
   T get() {
-    MOE_CHECK(bytes_.size() - at_ >= sizeof(T), kFormat, "{}: {} bytes end early", what_, bytes_.size());
     T v;
-    std::memcpy(&v, bytes_.data() + at_, sizeof(T));
-    at_ += sizeof(T);
+    MOE_CHECK(in_.read(&v), kFormat, "{}: {} bytes end early", what_, in_.size());
     return v;
   }
-  std::span<const uint8_t> rest() {
-    const auto r = bytes_.subspan(at_);
-    at_ = bytes_.size();
-    return r;
-  }
-  void end() const {
-    MOE_CHECK(at_ == bytes_.size(), kFormat, "{}: {} bytes past its end", what_, bytes_.size() - at_);
-  }
+  std::span<const uint8_t> rest() { return in_.rest(); }
+  void end() const { MOE_CHECK(in_.left() == 0, kFormat, "{}: {} bytes past its end", what_, in_.left()); }
 
  private:
-  std::span<const uint8_t> bytes_;
-  size_t at_ = 0;
+  ByteReader in_;
   const char* what_;
 };
 
-// Waits until fd is ready for `events`; timeout_ms < 0 waits as long as it takes.
-void wait_for(int fd, short events, int timeout_ms, const char* peer) {
-  pollfd p{fd, events, 0};
-  for (;;) {
-    const int n = ::poll(&p, 1, timeout_ms);
-    if (n > 0) return;
-    if (n == 0) MOE_THROW(kIo, "{}: no answer within {} s", peer, timeout_ms / 1000.0);
-    MOE_CHECK(errno == EINTR, kIo, "{}: poll failed: {}", peer, std::strerror(errno));
-  }
+// One line for a stream that failed; `inside`: after the first byte of a message.
+[[noreturn]] void stream_failed(net::Io io, const char* peer, double timeout_s, bool inside) {
+  if (io == net::Io::kTimedOut) MOE_THROW(kIo, "{}: no answer within {} s", peer, timeout_s);
+  MOE_CHECK(io != net::Io::kClosed, kIo, "{}: the connection closed{}", peer, inside ? " inside a message" : "");
+  MOE_THROW(kIo, "{}: the connection failed ({})", peer, std::strerror(errno));
 }
 
-void write_all(int fd, const uint8_t* p, size_t n, int timeout_ms, const char* peer) {
-  while (n > 0) {
-    wait_for(fd, POLLOUT, timeout_ms, peer);
-    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);  // a closed peer is an error, not SIGPIPE
-    if (w < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    MOE_CHECK(w > 0, kIo, "{}: the connection closed ({})", peer, std::strerror(errno));
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-}
-
-// False when the peer closed the connection before the first byte (only where allowed).
-bool read_all(int fd, uint8_t* p, size_t n, int timeout_ms, const char* peer, bool eof_ok) {
-  const size_t want = n;
-  while (n > 0) {
-    wait_for(fd, POLLIN, timeout_ms, peer);
-    const ssize_t r = ::recv(fd, p, n, 0);
-    if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (r == 0 && n == want && eof_ok) return false;
-    MOE_CHECK(r > 0, kIo, "{}: the connection closed{}", peer,
-              r == 0 ? (n == want ? "" : " inside a message") : std::string(" (") + std::strerror(errno) + ")");
-    p += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
-
-void send_frame(int fd, const std::vector<uint8_t>& bytes, int timeout_ms, const char* peer) {
+// The u32 byte count, then the bytes, all sent by `deadline`.
+void send_frame(int fd, const std::vector<uint8_t>& bytes, net::Deadline deadline, double timeout_s,
+                const char* peer) {
   MOE_CHECK(bytes.size() <= kMaxFrameBytes, kInvalidArgument, "{}: a message of {} bytes is past the {} byte limit",
             peer, bytes.size(), kMaxFrameBytes);
   const auto n = static_cast<uint32_t>(bytes.size());
-  uint8_t head[4];
-  std::memcpy(head, &n, 4);
-  write_all(fd, head, 4, timeout_ms, peer);
-  write_all(fd, bytes.data(), bytes.size(), timeout_ms, peer);
+  net::Io io = net::send_all(fd, &n, 4, deadline);
+  if (io == net::Io::kDone) io = net::send_all(fd, bytes.data(), bytes.size(), deadline);
+  if (io != net::Io::kDone) stream_failed(io, peer, timeout_s, false);
 }
 
-// nullopt when the peer closed the connection between messages.
-std::optional<std::vector<uint8_t>> recv_frame(int fd, int timeout_ms, const char* peer) {
+// A frame whose first byte arrives by `first_byte` and the rest within `timeout_s` of it: a peer
+// that trickles a message is cut off like a silent one. nullopt when the peer closed the
+// connection between messages.
+std::optional<std::vector<uint8_t>> recv_frame(int fd, net::Deadline first_byte, double timeout_s,
+                                               const char* peer) {
   uint8_t head[4];
-  if (!read_all(fd, head, 4, timeout_ms, peer, true)) return std::nullopt;
+  size_t got = 0;
+  net::Io io = net::recv_all(fd, head, 1, first_byte, &got);
+  if (io == net::Io::kClosed) return std::nullopt;
+  if (io != net::Io::kDone) stream_failed(io, peer, timeout_s, false);
+  const net::Deadline rest_by = net::after(timeout_s);
+  io = net::recv_all(fd, head + 1, 3, rest_by, &got);
+  if (io != net::Io::kDone) stream_failed(io, peer, timeout_s, true);
   uint32_t n = 0;
   std::memcpy(&n, head, 4);
   MOE_CHECK(n <= kMaxFrameBytes, kFormat, "{}: a message of {} bytes is past the {} byte limit", peer, n,
             kMaxFrameBytes);
   std::vector<uint8_t> bytes(n);
-  read_all(fd, bytes.data(), n, timeout_ms, peer, false);
+  io = net::recv_all(fd, bytes.data(), n, rest_by, &got);
+  if (io != net::Io::kDone) stream_failed(io, peer, timeout_s, true);
   return bytes;
 }
 
@@ -199,7 +155,7 @@ Out answer(Executor& x, In& in, Call call) {
 }  // namespace
 
 RemoteExecutor::RemoteExecutor(int fd, double timeout_s)
-    : fd_(fd), timeout_ms_(static_cast<int>(std::lround(std::min(timeout_s, 2.0e6) * 1000))) {
+    : fd_(fd), timeout_s_(timeout_s) {
   MOE_CHECK(fd >= 0, kInvalidArgument, "{}: no connection (fd {})", kWorker, fd);
   try {
     MOE_CHECK(timeout_s > 0, kInvalidArgument, "{}: the timeout must be positive, got {} s", kWorker, timeout_s);
@@ -211,7 +167,7 @@ RemoteExecutor::RemoteExecutor(int fd, double timeout_s)
 }
 
 void RemoteExecutor::ask_limits() {
-  const std::vector<uint8_t> reply = call(request(Call::kLimits).bytes);
+  const std::vector<uint8_t> reply = call(request(Call::kLimits).bytes());
   In in(reply, "executor worker's limits");
   limits_.max_sequences = in.get<int64_t>();
   limits_.max_context = in.get<int64_t>();
@@ -230,8 +186,9 @@ void RemoteExecutor::ask_limits() {
 RemoteExecutor::~RemoteExecutor() { ::close(fd_); }
 
 std::vector<uint8_t> RemoteExecutor::call(const std::vector<uint8_t>& req) const {
-  send_frame(fd_, req, timeout_ms_, kWorker);
-  std::optional<std::vector<uint8_t>> reply = recv_frame(fd_, timeout_ms_, kWorker);
+  const net::Deadline deadline = net::after(timeout_s_);  // the whole call: request, work, reply
+  send_frame(fd_, req, deadline, timeout_s_, kWorker);
+  std::optional<std::vector<uint8_t>> reply = recv_frame(fd_, deadline, timeout_s_, kWorker);
   MOE_CHECK(reply.has_value(), kIo, "{}: the connection closed (did the worker exit?)", kWorker);
   In in(*reply, "executor worker's reply");
   const auto status = in.get<uint8_t>();
@@ -247,7 +204,7 @@ std::vector<uint8_t> RemoteExecutor::call(const std::vector<uint8_t>& req) const
 }
 
 int32_t RemoteExecutor::open() {
-  const auto reply = call(request(Call::kOpen).bytes);
+  const auto reply = call(request(Call::kOpen).bytes());
   In in(reply, "executor worker's open");
   const auto seq = in.get<int32_t>();
   in.end();
@@ -255,11 +212,11 @@ int32_t RemoteExecutor::open() {
 }
 
 void RemoteExecutor::close(int32_t seq) {
-  In(call(request(Call::kClose).put(seq).bytes), "executor worker's close").end();
+  In(call(request(Call::kClose).put(seq).bytes()), "executor worker's close").end();
 }
 
 int64_t RemoteExecutor::length(int32_t seq) const {
-  const auto reply = call(request(Call::kLength).put(seq).bytes);
+  const auto reply = call(request(Call::kLength).put(seq).bytes());
   In in(reply, "executor worker's length");
   const auto n = in.get<int64_t>();
   in.end();
@@ -269,7 +226,7 @@ int64_t RemoteExecutor::length(int32_t seq) const {
 int64_t RemoteExecutor::reuse_prefix(int32_t seq, std::span<const int32_t> tokens) {
   Out req = request(Call::kReusePrefix).put(seq);
   req.put_bytes({reinterpret_cast<const uint8_t*>(tokens.data()), tokens.size() * 4});
-  const auto reply = call(req.bytes);
+  const auto reply = call(req.bytes());
   In in(reply, "executor worker's prefix reuse");
   const auto n = in.get<int64_t>();
   in.end();
@@ -277,7 +234,7 @@ int64_t RemoteExecutor::reuse_prefix(int32_t seq, std::span<const int32_t> token
 }
 
 KvUsage RemoteExecutor::kv_usage() const {
-  const auto reply = call(request(Call::kKvUsage).bytes);
+  const auto reply = call(request(Call::kKvUsage).bytes());
   In in(reply, "executor worker's cache usage");
   const KvUsage u = get_usage(in);
   in.end();
@@ -285,7 +242,7 @@ KvUsage RemoteExecutor::kv_usage() const {
 }
 
 int RemoteExecutor::group_of(int32_t seq) const {
-  const auto reply = call(request(Call::kGroupOf).put(seq).bytes);
+  const auto reply = call(request(Call::kGroupOf).put(seq).bytes());
   In in(reply, "executor worker's group");
   const auto g = in.get<int32_t>();
   in.end();
@@ -294,7 +251,7 @@ int RemoteExecutor::group_of(int32_t seq) const {
 }
 
 KvUsage RemoteExecutor::group_kv_usage(int group) const {
-  const auto reply = call(request(Call::kGroupKvUsage).put(static_cast<int32_t>(group)).bytes);
+  const auto reply = call(request(Call::kGroupKvUsage).put(static_cast<int32_t>(group)).bytes());
   In in(reply, "executor worker's group cache usage");
   const KvUsage u = get_usage(in);
   in.end();
@@ -302,15 +259,16 @@ KvUsage RemoteExecutor::group_kv_usage(int group) const {
 }
 
 StepResult RemoteExecutor::run(const StepPlan& plan) {
-  StepResult r = decode_result(call(request(Call::kRun).put_bytes(encode_plan(plan)).bytes));
+  StepResult r = decode_result(call(request(Call::kRun).put_bytes(encode_plan(plan)).bytes()));
   MOE_CHECK(r.tokens.size() == plan.rows.size() && r.logits.size() == plan.rows.size(), kFormat,
             "{}: a result of {} rows for a step of {}", kWorker, r.tokens.size(), plan.rows.size());
   return r;
 }
 
-void serve_executor(Executor& executor, int fd) {
+void serve_executor(Executor& executor, int fd, double timeout_s) {
+  MOE_CHECK(timeout_s > 0, kInvalidArgument, "{}: the timeout must be positive, got {} s", kDriver, timeout_s);
   for (;;) {
-    std::optional<std::vector<uint8_t>> req = recv_frame(fd, -1, kDriver);
+    std::optional<std::vector<uint8_t>> req = recv_frame(fd, net::kNoDeadline, timeout_s, kDriver);
     if (!req) return;
     Out reply;
     bool broken = false;  // the request itself could not be read
@@ -320,7 +278,7 @@ void serve_executor(Executor& executor, int fd) {
       broken = call < static_cast<uint8_t>(Call::kLimits) || call > static_cast<uint8_t>(Call::kRun);
       MOE_CHECK(!broken, kFormat, "{}: unknown call {}", kDriver, static_cast<int>(call));
       reply = Out{}.put(kOk);
-      reply.put_bytes(answer(executor, in, static_cast<Call>(call)).bytes);
+      reply.put_bytes(answer(executor, in, static_cast<Call>(call)).bytes());
     } catch (const Error& e) {
       broken = broken || e.kind() == ErrorKind::kFormat;
       reply = Out{}.put(kFailed).put(static_cast<uint8_t>(e.kind()));
@@ -330,7 +288,7 @@ void serve_executor(Executor& executor, int fd) {
       reply = Out{}.put(kFailed).put(static_cast<uint8_t>(ErrorKind::kInternal));
       reply.put_bytes({reinterpret_cast<const uint8_t*>(text.data()), text.size()});
     }
-    send_frame(fd, reply.bytes, -1, kDriver);
+    send_frame(fd, reply.bytes(), net::after(timeout_s), timeout_s, kDriver);
     if (broken) return;
   }
 }

@@ -9,7 +9,7 @@
 // Nothing on the wire is trusted: a frame larger than kMaxFrameBytes, a reply of the wrong size,
 // an unknown call or error kind are refused with one line (kFormat); a worker that closes the
 // connection or does not answer within the timeout is reported as such (kIo), never waited on
-// forever.
+// forever; the timeout bounds a whole call, so a peer that trickles bytes is cut off too.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +28,7 @@ class RemoteExecutor final : public Executor {
  public:
   // Takes `fd` (a connected stream socket; closed on destruction, or when this throws) and asks
   // the worker for its limits. Throws kIo when the worker does not answer within `timeout_s`;
-  // every later call waits as long at most.
+  // every later call, its request, the worker's work and the whole reply, takes as long at most.
   explicit RemoteExecutor(int fd, double timeout_s = 600.0);
   ~RemoteExecutor() override;
   RemoteExecutor(const RemoteExecutor&) = delete;
@@ -50,16 +50,18 @@ class RemoteExecutor final : public Executor {
   std::vector<uint8_t> call(const std::vector<uint8_t>& request) const;
 
   int fd_;
-  int timeout_ms_;
+  double timeout_s_;
   ExecutorLimits limits_;
 };
 
 // Answers the requests arriving on `fd` with `executor` until the driver closes the connection
-// between requests (then returns). A call that throws is answered with its error; a request that
+// between requests (then returns). The driver may wait as long as it likes between requests, but
+// a request must arrive whole within `timeout_s` of its first byte, and a reply must be taken as
+// fast (kIo otherwise). A call that throws is answered with its error; a request that
 // cannot be decoded (an unknown call, arguments cut short or left over, a malformed plan) is
 // answered with a kFormat error and ends the loop, as the stream can no longer be trusted. A
 // frame past kMaxFrameBytes (kFormat) or a driver that goes away inside a message (kIo) throws.
 // Does not close `fd`.
-void serve_executor(Executor& executor, int fd);
+void serve_executor(Executor& executor, int fd, double timeout_s = 600.0);
 
 }  // namespace moe::runtime

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 
+#include "core/byte_io.h"
 #include "moe/errors.h"
 
 namespace moe::runtime {
@@ -20,20 +21,8 @@ enum class Kind : uint16_t { kPlan = 1, kResult = 2 };
 
 const char* kind_name(Kind k) { return k == Kind::kPlan ? "step plan" : "step result"; }
 
-class Writer {
+class Writer : public ByteWriter {
  public:
-  template <typename T>
-  void put(T v) {
-    const size_t at = bytes_.size();
-    bytes_.resize(at + sizeof(T));
-    std::memcpy(bytes_.data() + at, &v, sizeof(T));
-  }
-  template <typename T>
-  void put_all(const T* p, size_t n) {
-    const size_t at = bytes_.size();
-    bytes_.resize(at + n * sizeof(T));
-    if (n > 0) std::memcpy(bytes_.data() + at, p, n * sizeof(T));
-  }
   // A token list: its u32 count, then the ids.
   void put_tokens(const std::vector<int32_t>& tokens) {
     MOE_CHECK(tokens.size() <= std::numeric_limits<uint32_t>::max(), kInvalidArgument,
@@ -46,20 +35,17 @@ class Writer {
     put(kStepWireVersion);
     put(static_cast<uint16_t>(kind));
   }
-  std::vector<uint8_t> take() { return std::move(bytes_); }
-
- private:
-  std::vector<uint8_t> bytes_;
 };
 
-// Reads the message front to back; every read first checks that the bytes are there.
+// Reads the message front to back; a read past its end is one kFormat line naming the field.
 class Reader {
  public:
-  Reader(std::span<const uint8_t> bytes, Kind kind) : bytes_(bytes), kind_(kind) {
-    need(8, "its header");
-    MOE_CHECK(std::memcmp(bytes_.data(), kMagic, 4) == 0, kFormat, "{}: not a step message (bad tag)",
-              kind_name(kind_));
-    at_ = 4;
+  Reader(std::span<const uint8_t> bytes, Kind kind) : in_(bytes), kind_(kind) {
+    MOE_CHECK(in_.left() >= 8, kFormat, "{}: truncated in its header (8 bytes needed at byte 0, {} left)",
+              kind_name(kind_), in_.left());
+    char magic[4];
+    get_all(magic, 4, "its header");
+    MOE_CHECK(std::memcmp(magic, kMagic, 4) == 0, kFormat, "{}: not a step message (bad tag)", kind_name(kind_));
     const auto version = get<uint16_t>("its version");
     MOE_CHECK(version == kStepWireVersion, kFormat, "{}: format version {}, this build reads version {}",
               kind_name(kind_), version, kStepWireVersion);
@@ -69,25 +55,22 @@ class Reader {
   }
   template <typename T>
   T get(const char* what) {
-    need(sizeof(T), what);
     T v;
-    std::memcpy(&v, bytes_.data() + at_, sizeof(T));
-    at_ += sizeof(T);
+    get_all(&v, 1, what);
     return v;
   }
   // A count of items of `item_bytes` each that must all be in the message.
   size_t count(size_t item_bytes, const char* what) {
     const auto n = get<uint32_t>(what);
-    MOE_CHECK(item_bytes == 0 || n <= (bytes_.size() - at_) / item_bytes, kFormat,
+    MOE_CHECK(item_bytes == 0 || n <= in_.left() / item_bytes, kFormat,
               "{}: {} says {} items of {} bytes, but {} bytes are left", kind_name(kind_), what, n, item_bytes,
-              bytes_.size() - at_);
+              in_.left());
     return n;
   }
   template <typename T>
   void get_all(T* p, size_t n, const char* what) {
-    need(n * sizeof(T), what);
-    if (n > 0) std::memcpy(p, bytes_.data() + at_, n * sizeof(T));
-    at_ += n * sizeof(T);
+    MOE_CHECK(in_.read(p, n), kFormat, "{}: truncated in {} ({} bytes needed at byte {}, {} left)", kind_name(kind_),
+              what, n * sizeof(T), in_.at(), in_.left());
   }
   std::vector<int32_t> get_tokens() {
     std::vector<int32_t> tokens(count(4, "the token count"));
@@ -95,18 +78,13 @@ class Reader {
     return tokens;
   }
   void finish() {
-    MOE_CHECK(at_ == bytes_.size(), kFormat, "{}: {} bytes past its end", kind_name(kind_), bytes_.size() - at_);
+    MOE_CHECK(in_.left() == 0, kFormat, "{}: {} bytes past its end", kind_name(kind_), in_.left());
   }
   const char* name() const { return kind_name(kind_); }
 
  private:
-  void need(size_t n, const char* what) {
-    MOE_CHECK(n <= bytes_.size() - at_, kFormat, "{}: truncated in {} ({} bytes needed at byte {}, {} left)",
-              kind_name(kind_), what, n, at_, bytes_.size() - at_);
-  }
-  std::span<const uint8_t> bytes_;
+  ByteReader in_;
   Kind kind_;
-  size_t at_ = 0;
 };
 
 // A row on the wire: seq, offset, count (i32), sample (u8), temperature (f32), top_k (i32),

@@ -2,7 +2,8 @@
 # moe-server end to end on loopback with the bundled tiny model: the official `openai` npm client
 # (installed into .cache/ on first use) against moe-cli generate's greedy text, 64 concurrent
 # streams, bad requests answered with OpenAI error bodies, a client that disconnects (mid-stream
-# or while waiting for a non-streaming answer) giving its blocks back, and a clean exit on SIGTERM.
+# or while waiting for a non-streaming answer) giving its blocks back, a clean exit on SIGTERM,
+# and the executor in a worker process driven over TCP (--serve-executor, --executor).
 set -u
 server=${MOE_SERVER:?path to moe-server}
 cli=${MOE_CLI:?path to moe-cli}
@@ -54,6 +55,10 @@ fi
 bad_flags "missing model directory" 'does not exist' -m "$work/none"
 bad_flags "--max-batch 0" 'max_batch' -m "$model" --max-batch 0
 bad_flags "--port out of range" 'port' -m "$model" --port 70000
+bad_flags "--executor and --serve-executor" 'not both' -m "$model" --executor 127.0.0.1:1 --serve-executor 127.0.0.1:0
+bad_flags "--executor with a worker's flag" '--kv-blocks belongs to the worker' -m "$model" --executor 127.0.0.1:1 --kv-blocks 64
+bad_flags "--executor without a port" 'expected HOST:PORT' -m "$model" --executor localhost
+bad_flags "--executor with nobody listening" 'could not connect to 127.0.0.1:1 within 0.5 s' -m "$model" --executor 127.0.0.1:1 --executor-timeout 0.5
 
 # start_server LOG ARGS...: starts moe-server with ARGS, its stderr in LOG; sets pid, and url once
 # it listens (empty if it never did).
@@ -69,6 +74,10 @@ start_server() {
     kill -0 "$pid" 2>/dev/null || break
     sleep 0.1
   done
+}
+# Whether the last response body holds the one-rank greedy text (text0, written below) as a JSON string.
+body_has_text0() {
+  grep -qF "$(node -e 'process.stdout.write(JSON.stringify(require("fs").readFileSync(process.argv[1], "utf8")))' "$work/text0")" "$work/body"
 }
 start_server "$work/log" -m "$model" --port 0 -t 2 --max-batch 16
 [ -n "$url" ] || { echo "FAIL the server did not start: $(cat "$work/log")"; exit 1; }
@@ -173,7 +182,7 @@ else
   fail "non-streaming disconnect: body $(head -c 80 "$work/partial_plain"), blocks in use $(metric moe_kv_blocks_in_use)"
 fi
 [ "$(request POST /v1/completions '{"prompt": "Hello there", "max_tokens": 8, "temperature": 0}')" = 200 ] &&
-  grep -qF "$(node -e 'process.stdout.write(JSON.stringify(require("fs").readFileSync(process.argv[1], "utf8")))' "$work/text0")" "$work/body" &&
+  body_has_text0 &&
   ok "still serving after a disconnect" || fail "still serving after a disconnect: $(cat "$work/body")"
 
 # SIGTERM with a request in flight: the server ends it and exits with status 0.
@@ -198,7 +207,7 @@ wait "$curl_pid" 2>/dev/null
 for backend in local_allreduce alltoall_packed; do
   start_server "$work/log_ep" -m "$model" --port 0 -t 2 --ep 2 --ep-backend "$backend"
   if [ -n "$url" ] && [ "$(request POST /v1/completions '{"prompt": "Hello there", "max_tokens": 8, "temperature": 0}')" = 200 ] &&
-      grep -qF "$(node -e 'process.stdout.write(JSON.stringify(require("fs").readFileSync(process.argv[1], "utf8")))' "$work/text0")" "$work/body"; then
+      body_has_text0; then
     ok "--ep 2 --ep-backend $backend on the CPU gives the one-rank text"
   else
     fail "--ep 2 --ep-backend $backend: $(cat "$work/body" 2>/dev/null) $(tail -n 3 "$work/log_ep")"
@@ -207,6 +216,57 @@ for backend in local_allreduce alltoall_packed; do
   wait "$pid" 2>/dev/null
   pid=""
 done
+
+# The executor in another process: a worker holds the model, a server drives it over TCP and
+# serves the one-process greedy text; the worker exits cleanly once its driver has gone.
+# start_worker LOG: starts an executor worker on the tiny model; sets worker and worker_port.
+start_worker() {
+  "$server" -m "$model" -t 2 --max-batch 16 --serve-executor 127.0.0.1:0 2>"$1" &
+  worker=$!
+  worker_port=""
+  for _ in $(seq 1 300); do
+    worker_port=$(grep -oE 'listening on 127\.0\.0\.1:[0-9]+' "$1" | grep -oE '[0-9]+$')
+    [ -n "$worker_port" ] && break
+    kill -0 "$worker" 2>/dev/null || break
+    sleep 0.1
+  done
+}
+# A driver whose config is another model's is refused in one line (the worker then exits).
+start_worker "$work/log_worker_other"
+if [ -n "$worker_port" ]; then
+  err=$("$server" -m "$src/tests/fixtures/olmoe_f32" --tokenizer "$model/tokenizer.json" --port 0 \
+    --executor "127.0.0.1:$worker_port" 2>&1 >/dev/null)
+  rc=$?
+  [ "$rc" = 1 ] && [[ "$err" == error:*"not the same model"* ]] && ok "--executor over another model's worker: $err" ||
+    fail "--executor over another model's worker: exit $rc, $err"
+  wait "$worker" 2>/dev/null
+fi
+start_worker "$work/log_worker"
+if [ -z "$worker_port" ]; then
+  fail "executor worker did not start: $(cat "$work/log_worker")"
+else
+  start_server "$work/log_driver" -m "$model" --port 0 --executor "127.0.0.1:$worker_port"
+  if [ -n "$url" ] && [ "$(request POST /v1/completions '{"prompt": "Hello there", "max_tokens": 8, "temperature": 0}')" = 200 ] &&
+      body_has_text0; then
+    ok "a server driving an executor worker over TCP gives the one-process text"
+  else
+    fail "--executor: $(cat "$work/body" 2>/dev/null) $(tail -n 3 "$work/log_driver") $(tail -n 3 "$work/log_worker")"
+  fi
+  kill -TERM "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+  pid=""
+  for _ in $(seq 1 100); do kill -0 "$worker" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$worker" 2>/dev/null; then
+    fail "the executor worker still runs 10 s after its driver exited"
+    kill "$worker"
+  else
+    wait "$worker"
+    rc=$?
+    [ "$rc" = 0 ] && grep -q 'the driver disconnected' "$work/log_worker" &&
+      ok "the executor worker exits cleanly when its driver goes" ||
+      fail "executor worker: exit status $rc, $(tail -n 2 "$work/log_worker")"
+  fi
+fi
 
 echo "$failures failure(s)"
 [ "$failures" -eq 0 ]

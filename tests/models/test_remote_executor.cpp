@@ -8,9 +8,11 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -183,6 +185,52 @@ TEST(RemoteExecutor, ADeadStalledOrGarbledWorkerIsReportedInOneLine) {
   EXPECT_NE(e.message().find("end early"), std::string::npos) << e.message();
   e = remote_refused([](int fd) { write_frame(fd, std::vector<uint8_t>(49, 0), 49); });
   EXPECT_NE(e.message().find("impossible limits"), std::string::npos) << e.message();
+  // Trickles a whole, well-formed reply, a byte every 20 ms (about a second): the timeout bounds
+  // the call, not each wait, so the driver gives up after 0.3 s however steadily bytes come.
+  e = remote_refused(
+      [](int fd) {
+        std::vector<uint8_t> frame(4 + 49, 0);
+        frame[0] = 49;
+        for (uint8_t b : frame) {
+          if (::send(fd, &b, 1, MSG_NOSIGNAL) != 1) return;  // the driver gave up
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+      },
+      0.3);
+  EXPECT_EQ(e.kind(), ErrorKind::kIo);
+  EXPECT_NE(e.message().find("no answer within 0.3 s"), std::string::npos) << e.message();
+}
+
+// The worker waits for a driver between requests as long as it takes, but not inside one: a
+// request begun and left unfinished, or trickled, ends the worker with one line.
+TEST(RemoteExecutor, ADriverStalledInsideARequestEndsTheWorker) {
+  auto model = Model::load(fixture_dir("tiny_qwen3_moe"));
+  cpu::Executor served(*model, small_pool());
+  for (bool trickle : {false, true}) {
+    SocketPair sp;
+    std::optional<Error> failure;
+    std::thread worker([&] {
+      try {
+        runtime::serve_executor(served, sp.worker, 0.3);
+      } catch (const Error& e) {
+        failure = e;
+      }
+    });
+    // Half a frame header; then, when trickling, the rest of a limits request a byte every 20 ms.
+    const uint8_t request[5] = {1, 0, 0, 0, 1};
+    ASSERT_EQ(::write(sp.driver, request, 2), 2);
+    if (trickle)
+      for (int i = 2; i < 5; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(150));
+        if (::send(sp.driver, request + i, 1, MSG_NOSIGNAL) != 1) break;
+      }
+    worker.join();
+    ASSERT_TRUE(failure.has_value()) << (trickle ? "trickled" : "stalled") << " request served";
+    EXPECT_EQ(failure->kind(), ErrorKind::kIo);
+    EXPECT_NE(failure->message().find("executor driver: no answer within 0.3 s"), std::string::npos)
+        << failure->message();
+    ::close(sp.driver);
+  }
 }
 
 TEST(RemoteExecutor, AGarbledRequestGetsAnErrorAndEndsTheWorker) {

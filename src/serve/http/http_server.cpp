@@ -16,6 +16,8 @@
 
 #include <fmt/format.h>
 
+#include "core/socket_io.h"
+#include "core/tcp_endpoint.h"
 #include "moe/errors.h"
 #include "serve/http/request_reader.h"
 
@@ -23,42 +25,12 @@ namespace moe::serve::http {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using net::after;
+using net::wait_fd;
 
-Clock::time_point after(double seconds) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
-
-// Waits until `fd` has `events` or the deadline passes; false on timeout or error.
-bool wait_fd(int fd, short events, Clock::time_point deadline) {
-  for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-    if (left <= 0) return false;
-    pollfd p{fd, events, 0};
-    const int rc = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1 << 30)));
-    if (rc > 0) return true;  // ready, or an error the next call reports
-    if (rc < 0 && errno != EINTR) return false;
-  }
-}
-
-// Writes all of `data` to a non-blocking socket; a peer that accepts nothing for `timeout_s`
-// seconds is given up on.
+// Writes all of `data`; a peer that accepts nothing for `timeout_s` seconds is given up on.
 bool write_all(int fd, std::string_view data, double timeout_s) {
-  auto deadline = after(timeout_s);
-  while (!data.empty()) {
-    const ssize_t n = ::send(fd, data.data(), data.size(), MSG_NOSIGNAL);
-    if (n > 0) {
-      data.remove_prefix(static_cast<size_t>(n));
-      deadline = after(timeout_s);
-    } else if (n < 0 && errno == EINTR) {
-      continue;
-    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      if (!wait_fd(fd, POLLOUT, deadline)) return false;
-    } else {
-      return false;
-    }
-  }
-  return true;
+  return net::send_all(fd, data.data(), data.size(), after(timeout_s), timeout_s) == net::Io::kDone;
 }
 
 class SocketResponse : public Response {
@@ -168,34 +140,9 @@ Server::~Server() {
 }
 
 int Server::listen(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  const std::string service = std::to_string(port);
-  const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found);
-  MOE_CHECK(rc == 0, kIo, "cannot listen on {}:{}: {}", host, port, ::gai_strerror(rc));
-  std::unique_ptr<addrinfo, void (*)(addrinfo*)> guard(found, ::freeaddrinfo);
-  std::string why = "no address";
-  for (addrinfo* a = found; a; a = a->ai_next) {
-    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) continue;
-    const int one = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 128) == 0) {
-      listen_fd_ = fd;
-      break;
-    }
-    why = std::strerror(errno);
-    ::close(fd);
-  }
-  MOE_CHECK(listen_fd_ >= 0, kIo, "cannot listen on {}:{}: {}", host, port, why);
-  sockaddr_storage addr{};
-  socklen_t len = sizeof addr;
-  ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-  return addr.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port)
-                                    : ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  int bound = 0;
+  listen_fd_ = net::listen_tcp({host, port}, &bound);
+  return bound;
 }
 
 void Server::refuse(int fd) {
