@@ -160,6 +160,7 @@ RemoteExecutor::RemoteExecutor(int fd, double timeout_s)
   try {
     MOE_CHECK(timeout_s > 0, kInvalidArgument, "{}: the timeout must be positive, got {} s", kWorker, timeout_s);
     ask_limits();
+    cache_changes();
   } catch (...) {
     ::close(fd_);  // taken: a failed construction closes it too
     throw;
@@ -203,7 +204,13 @@ std::vector<uint8_t> RemoteExecutor::call(const std::vector<uint8_t>& req) const
   throw Error(static_cast<ErrorKind>(kind), std::string(text.begin(), text.end()), __FILE__, __LINE__);
 }
 
+void RemoteExecutor::cache_changes() const {
+  usage_.reset();
+  group_usage_.assign(static_cast<size_t>(limits_.groups), std::nullopt);
+}
+
 int32_t RemoteExecutor::open() {
+  cache_changes();
   const auto reply = call(request(Call::kOpen).bytes());
   In in(reply, "executor worker's open");
   const auto seq = in.get<int32_t>();
@@ -212,6 +219,7 @@ int32_t RemoteExecutor::open() {
 }
 
 void RemoteExecutor::close(int32_t seq) {
+  cache_changes();
   In(call(request(Call::kClose).put(seq).bytes()), "executor worker's close").end();
 }
 
@@ -224,6 +232,7 @@ int64_t RemoteExecutor::length(int32_t seq) const {
 }
 
 int64_t RemoteExecutor::reuse_prefix(int32_t seq, std::span<const int32_t> tokens) {
+  cache_changes();
   Out req = request(Call::kReusePrefix).put(seq);
   req.put_bytes({reinterpret_cast<const uint8_t*>(tokens.data()), tokens.size() * 4});
   const auto reply = call(req.bytes());
@@ -234,10 +243,12 @@ int64_t RemoteExecutor::reuse_prefix(int32_t seq, std::span<const int32_t> token
 }
 
 KvUsage RemoteExecutor::kv_usage() const {
+  if (usage_) return *usage_;
   const auto reply = call(request(Call::kKvUsage).bytes());
   In in(reply, "executor worker's cache usage");
   const KvUsage u = get_usage(in);
   in.end();
+  usage_ = u;
   return u;
 }
 
@@ -251,14 +262,18 @@ int RemoteExecutor::group_of(int32_t seq) const {
 }
 
 KvUsage RemoteExecutor::group_kv_usage(int group) const {
+  const bool cacheable = group >= 0 && group < limits_.groups;  // else the worker refuses it
+  if (cacheable && group_usage_[static_cast<size_t>(group)]) return *group_usage_[static_cast<size_t>(group)];
   const auto reply = call(request(Call::kGroupKvUsage).put(static_cast<int32_t>(group)).bytes());
   In in(reply, "executor worker's group cache usage");
   const KvUsage u = get_usage(in);
   in.end();
+  if (cacheable) group_usage_[static_cast<size_t>(group)] = u;
   return u;
 }
 
 StepResult RemoteExecutor::run(const StepPlan& plan) {
+  cache_changes();
   StepResult r = decode_result(call(request(Call::kRun).put_bytes(encode_plan(plan)).bytes()));
   MOE_CHECK(r.tokens.size() == plan.rows.size() && r.logits.size() == plan.rows.size(), kFormat,
             "{}: a result of {} rows for a step of {}", kWorker, r.tokens.size(), plan.rows.size());

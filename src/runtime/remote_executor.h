@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -49,9 +50,17 @@ class RemoteExecutor final : public Executor {
   // Sends one request and returns the reply's payload; rethrows the worker's error.
   std::vector<uint8_t> call(const std::vector<uint8_t>& request) const;
 
+  // The worker's cache usage as last read, kept until a call that can change it (open, close,
+  // prefix reuse, a step): the scheduler asks for a group's free blocks for every request it
+  // plans, and the worker's executor changes only through this driver, so each answer holds
+  // until then, and a serving step costs a few round trips instead of two per running request.
+  void cache_changes() const;
+
   int fd_;
   double timeout_s_;
   ExecutorLimits limits_;
+  mutable std::optional<KvUsage> usage_;
+  mutable std::vector<std::optional<KvUsage>> group_usage_;
 };
 
 // Answers the requests arriving on `fd` with `executor` until the driver closes the connection

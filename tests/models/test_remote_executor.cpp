@@ -106,6 +106,45 @@ TEST(RemoteExecutor, TheSchedulerAcrossASocketGeneratesWhatItDoesInProcess) {
   worker.join();
 }
 
+// The driver keeps the worker's cache usage between calls that change it: after each open, step,
+// prefix reuse and close it reads what the worker's executor holds, never an earlier answer.
+TEST(RemoteExecutor, CacheUsageFollowsEveryChange) {
+  auto model = Model::load(fixture_dir("tiny_qwen3_moe"));
+  cpu::Executor served(*model, small_pool());
+  SocketPair sp;
+  std::thread worker([&] { runtime::serve_executor(served, sp.worker); });
+  {
+    RemoteExecutor remote(sp.driver, 30.0);
+    auto same = [&](const char* after) {
+      const runtime::KvUsage got = remote.kv_usage(), want = served.kv_usage();
+      EXPECT_EQ(got.free, want.free) << after;
+      EXPECT_EQ(got.cached, want.cached) << after;
+      EXPECT_EQ(remote.group_kv_usage(0).free, served.group_kv_usage(0).free) << after;
+      EXPECT_EQ(remote.kv_usage().free, want.free) << after << " (asked twice)";
+    };
+    same("nothing");
+    std::vector<int32_t> prompt(40);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(i * 7 + 3);
+    const int32_t first = remote.open();
+    same("open");
+    runtime::StepPlan plan;
+    plan.tokens = prompt;
+    plan.rows.push_back({first, 0, static_cast<int32_t>(prompt.size()), true, {}, 0, runtime::RowLogits::kNone});
+    remote.run(plan);
+    same("a step");
+    const int64_t before_close = remote.kv_usage().free;
+    remote.close(first);
+    same("close");
+    EXPECT_GT(remote.kv_usage().free, before_close) << "closing freed nothing";
+    const int32_t second = remote.open();
+    EXPECT_GT(remote.reuse_prefix(second, prompt), 0) << "the closed sequence's blocks should be found";
+    same("prefix reuse");
+    remote.close(second);
+    same("the last close");
+  }
+  worker.join();
+}
+
 TEST(RemoteExecutor, RefusedCallsComeBackWithTheirKindAndMessage) {
   auto model = Model::load(fixture_dir("tiny_qwen3_moe"));
   cpu::Executor local(*model, small_pool()), served(*model, small_pool());
