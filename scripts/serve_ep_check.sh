@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # moe-server --device cuda on two GPUs with every EP backend, and with data-parallel attention
-# (--dp 2) over every backend that exchanges each GPU's own tokens, on the bundled tiny model: each
-# must serve a streamed greedy completion (chunks, then [DONE]) whose text equals the one-GPU
-# server's. Prints one line per backend; exit status 0 only when every one passed.
+# (--dp 2) over every backend that exchanges each GPU's own tokens (once more with a step budget
+# of 4 tokens, so that the prompt is prefilled in chunks), on the bundled tiny model: each must
+# serve a streamed greedy completion (chunks, then [DONE]) whose text equals the one-GPU server's.
+# Last, the two-GPU data-parallel executor in a worker process (--serve-executor) driven by a
+# server over TCP (--executor). Prints one line per case; exit status 0 only when every one passed.
 #
 #   scripts/serve_ep_check.sh [BIN_DIR]      BIN_DIR holds moe-server (default build/release)
 set -u
@@ -51,7 +53,7 @@ PY
 serve() {
   local name=$1 url=""
   shift
-  "$server" -m "$model" --device cuda --port 0 "$@" 2> "$work/$name.log" &
+  "$server" -m "$model" --port 0 "$@" 2> "$work/$name.log" &
   pid=$!
   for _ in $(seq 1 600); do
     url=$(grep -oE 'http://127\.0\.0\.1:[0-9]+' "$work/$name.log" | head -n 1)
@@ -71,15 +73,16 @@ serve() {
 }
 
 failures=0
-serve one_gpu || { echo "FAIL the one-GPU server: no completion"; exit 1; }
+serve one_gpu --device cuda || { echo "FAIL the one-GPU server: no completion"; exit 1; }
 echo "one GPU: $(tr '\n' ' ' < "$work/one_gpu")"
 # Every backend with replicated attention, then data-parallel attention (--dp 2: each GPU serves
 # its own requests with its own cache) over every backend that exchanges each GPU's own tokens.
 for run in local_allreduce allgather_reducescatter alltoall_padded alltoall_packed p2p \
-           dp:allgather_reducescatter dp:alltoall_padded dp:alltoall_packed dp:p2p; do
-  backend=${run#dp:}
-  flags=(--ep 2 --ep-backend "$backend")
-  [ "$run" != "$backend" ] && flags=(--ep 2 --dp 2 --ep-backend "$backend")
+           dp:allgather_reducescatter dp:alltoall_padded dp:alltoall_packed dp:p2p dp4:alltoall_packed; do
+  backend=${run#*:}
+  flags=(--device cuda --ep 2 --ep-backend "$backend")
+  [ "$run" != "$backend" ] && flags+=(--dp 2)
+  [ "${run%%:*}" = dp4 ] && flags+=(--max-batch 4 --max-step-tokens 4)
   name=${run/:/_}
   if ! serve "$name" "${flags[@]}"; then
     echo "FAIL ${flags[*]}: no streamed completion"
@@ -91,5 +94,25 @@ for run in local_allreduce allgather_reducescatter alltoall_padded alltoall_pack
     failures=$((failures + 1))
   fi
 done
+
+# The data-parallel executor in a worker process, a server driving it over TCP.
+"$server" -m "$model" --device cuda --ep 2 --dp 2 --ep-backend alltoall_packed --serve-executor 127.0.0.1:0 \
+  2> "$work/worker.log" &
+worker=$!
+port=""
+for _ in $(seq 1 600); do
+  port=$(grep -oE 'listening on 127\.0\.0\.1:[0-9]+' "$work/worker.log" | grep -oE '[0-9]+$')
+  [ -n "$port" ] && break
+  kill -0 "$worker" 2>/dev/null || break
+  sleep 0.1
+done
+if [ -n "$port" ] && serve worker_dp --executor "127.0.0.1:$port" && cmp -s "$work/one_gpu" "$work/worker_dp" &&
+    wait "$worker"; then
+  echo "ok   a server driving a --dp 2 worker over TCP streams the one-GPU text, and the worker exits cleanly"
+else
+  echo "FAIL --dp 2 worker: $(tr '\n' ' ' < "$work/worker_dp" 2>/dev/null) $(tail -n 2 "$work/worker.log")"
+  kill "$worker" 2>/dev/null
+  failures=$((failures + 1))
+fi
 echo "$failures failure(s)"
 [ "$failures" -eq 0 ]
