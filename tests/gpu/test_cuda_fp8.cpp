@@ -312,8 +312,8 @@ TEST(CudaFp8, ExpertsRefuseWhatTheyCannotRun) {
   }
 }
 
-// The dense projection: y = x · wᵀ in f32 for rows 1 to 32 (the GEMV on the codes for 1-3 rows,
-// the tensor-core kernel on them from 4: the weights are exact, only f32 summation order
+// The dense projection: y = x · wᵀ in f32 for rows 1 to 32 (the GEMV on the codes for 1-2 rows,
+// the tensor-core kernel on them from 3: the weights are exact, only f32 summation order
 // differs from the double reference) and 40 (widened to bf16 for cuBLASLt: each weight rounded
 // to bf16).
 TEST(CudaFp8, DenseProjectionWithPartialBlocks) {

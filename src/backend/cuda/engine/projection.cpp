@@ -31,8 +31,8 @@ void project(Blas& blas, const void* x, const DeviceMatrix& w, void* y, OutType 
   }
   MOE_CHECK(w.format == kFp8Blocks, kUnsupported, "dense projection: no CUDA kernel reads {} weights",
             w.format.name());
-  // Up to 32 rows the codes are read once: by the GEMV for 1-3 rows, by the tensor-core kernel
-  // (exact bf16 widening) from 4 (gemm_fp8_rows_launch.h says where each is faster).
+  // Up to 32 rows the codes are read once: by the GEMV for 1-2 rows, by the tensor-core kernel
+  // (exact bf16 widening) from 3 (gemm_fp8_rows_launch.h says where each is faster).
   if (fp8_direct(m, w.cols)) {
     if (m < kernels::kFp8RowsMinRows) {
       gemv_fp8(x, w, y, out, m, stream, ldy);

@@ -57,9 +57,10 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 // A block of kWarps warps: kWarps / KS groups of KS warps; a group owns 16 R weight rows (R tiles;
 // 16 R divides 128, so a warp's rows share one row of scale blocks) and its KS warps take the
 // column blocks of 128 in turn, adding their sums in a fixed order at the end (deterministic).
-// MT tiles of 8 rows of x. Each warp keeps the next block's weights in flight while it multiplies
-// the current one's, and loads the first before waiting for its predecessor (weights are constant
-// over the forward: pdl.h).
+// MT tiles of 8 rows of x. Each warp keeps the next column block's weights and x values in flight
+// while it multiplies the current one's (with x loaded per block instead, each block waited on its
+// L2 hits: 5-32% slower, docs/perf/fp8-dense-rows.md), and loads the first block's weights before
+// waiting for its predecessor (weights are constant over the forward: pdl.h).
 template <int MT, int R, int KS>
 __global__ void __launch_bounds__(kWarps * 32) rows_kernel(const uint4* __restrict__ x, const uint8_t* __restrict__ w,
                                                            const float* __restrict__ scales, void* y, bool y_f32,
@@ -91,11 +92,29 @@ __global__ void __launch_bounds__(kWarps * 32) rows_kernel(const uint4* __restri
     }
   };
 
+  // The x values column block kb meets: two 64-column chunks, row g of each x tile.
+  auto load_x = [&](uint4 (&xv)[2][MT][2], int kb) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int col = kb * kBlock + 64 * c + 16 * t;
+#pragma unroll
+      for (int j = 0; j < MT; ++j) {
+        const int row = 8 * j + g;
+        const bool ok = col < k && row < m;
+        const uint4* at = x + (static_cast<size_t>(row) * k + col) / 8;
+        xv[c][j][0] = ok ? __ldg(at) : make_uint4(0, 0, 0, 0);
+        xv[c][j][1] = ok ? __ldg(at + 1) : make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+
   float acc[R][MT][4] = {};
   uint4 wnext[2][R][2];
+  uint4 xnext[2][MT][2];
   if (active && part < kblocks) load_w(wnext, part);
   begin_dependent();
   if (active) {
+    if (part < kblocks) load_x(xnext, part);
     for (int kb = part; kb < kblocks; kb += KS) {
       uint4 wv[2][R][2];
 #pragma unroll
@@ -104,21 +123,22 @@ __global__ void __launch_bounds__(kWarps * 32) rows_kernel(const uint4* __restri
         for (int r = 0; r < R; ++r)
 #pragma unroll
           for (int h = 0; h < 2; ++h) wv[c][r][h] = wnext[c][r][h];
-      if (kb + KS < kblocks) load_w(wnext, kb + KS);
+      uint4 xv[2][MT][2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int j = 0; j < MT; ++j) {
+          xv[c][j][0] = xnext[c][j][0];
+          xv[c][j][1] = xnext[c][j][1];
+        }
+      if (kb + KS < kblocks) {
+        load_w(wnext, kb + KS);
+        load_x(xnext, kb + KS);
+      }
       const float scale = __ldg(srow + kb);
       float sums[R][MT][4] = {};
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const int col = kb * kBlock + 64 * c + 16 * t;
-        uint4 xv[MT][2];
-#pragma unroll
-        for (int j = 0; j < MT; ++j) {
-          const int row = 8 * j + g;
-          const bool ok = col < k && row < m;
-          const uint4* at = x + (static_cast<size_t>(row) * k + col) / 8;
-          xv[j][0] = ok ? __ldg(at) : make_uint4(0, 0, 0, 0);
-          xv[j][1] = ok ? __ldg(at + 1) : make_uint4(0, 0, 0, 0);
-        }
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           uint32_t a[R][4];
@@ -129,7 +149,7 @@ __global__ void __launch_bounds__(kWarps * 32) rows_kernel(const uint4* __restri
           }
 #pragma unroll
           for (int j = 0; j < MT; ++j) {
-            const uint32_t b0 = word(xv[j][s / 2], (2 * s) % 4), b1 = word(xv[j][s / 2], (2 * s) % 4 + 1);
+            const uint32_t b0 = word(xv[c][j][s / 2], (2 * s) % 4), b1 = word(xv[c][j][s / 2], (2 * s) % 4 + 1);
 #pragma unroll
             for (int r = 0; r < R; ++r) mma_bf16(sums[r][j], a[r], b0, b1);
           }
@@ -213,15 +233,12 @@ struct Split {
 };
 
 // Measured on an H100 over qwen3-30b-a3b's and DeepSeek-V3's projection shapes (lab/cuda/
-// fp8_rows_sweep.cu, docs/perf/fp8-dense-rows.md). One tile of x (up to 8 rows) reads little x,
-// so more blocks win: an 8-way k split unless that makes more than 1,000 blocks. Two tiles: one
-// tile of weight rows a warp, a 4-way k split where that still fills the 132 multiprocessors,
-// else 8-way. Three and four tiles read as much x as weights at one weight tile a warp, so two
-// where that leaves at least 64 blocks (4-way split), else one with an 8-way split.
+// fp8_rows_sweep.cu, docs/perf/fp8-dense-rows.md): a 4-way k split where that gives each of the
+// 132 multiprocessors a block at one weight tile a warp, with two weight tiles a warp past one x
+// tile; for fewer weight rows (qwen3's o projection, 2048) one tile a warp and an 8-way split.
 Split choose_split(int mt, int n) {
-  if (mt == 1) return {1, blocks_for(n, 1, 8) > 1000 ? 4 : 8};
-  if (mt == 2) return {1, blocks_for(n, 1, 4) >= 132 ? 4 : 8};
-  return blocks_for(n, 2, 4) >= 64 ? Split{2, 4} : Split{1, 8};
+  if (blocks_for(n, 1, 4) < 132) return {1, 8};
+  return mt == 1 ? Split{1, 4} : Split{2, 4};
 }
 
 template <int MT>

@@ -9,11 +9,11 @@
 
 namespace moe::cuda::kernels {
 
-// Where dense FP8 projections take this kernel (projection.cpp): from 4 rows, where it overtook
-// the GEMV at every shape measured (at 1-3 rows the GEMV is as fast or faster on most), to 32,
+// Where dense FP8 projections take this kernel (projection.cpp): from 3 rows, where it overtook
+// the GEMV at every shape measured (at 2 rows on half of them), to 32,
 // past which it read x as often as the weights and fell behind the bf16 GEMM
 // (lab/cuda/fp8_rows_sweep.cu, docs/perf/fp8-dense-rows.md).
-constexpr int kFp8RowsMinRows = 4;
+constexpr int kFp8RowsMinRows = 3;
 constexpr int kFp8RowsMaxRows = 32;
 
 // x bf16 [rows, k], w E4M3 [n, k] (both 16-byte aligned, k a multiple of 16), scales f32
