@@ -165,26 +165,20 @@ __global__ void __launch_bounds__(kWarps * 32) rows_kernel(const uint4* __restri
   }
 
   if constexpr (KS > 1) {
-    __shared__ float partial[kWarps][R * MT * 4][32];
+    constexpr int kSums = R * MT * 4;
+    float* sums = &acc[0][0][0];
+    __shared__ float partial[kWarps][kSums][32];
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int j = 0; j < MT; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) partial[warp][(r * MT + j) * 4 + i][lane] = acc[r][j][i];
+    for (int i = 0; i < kSums; ++i) partial[warp][i][lane] = sums[i];
     __syncthreads();
     if (part != 0) return;
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kSums; ++i) {
+      float sum = 0.0f;
 #pragma unroll
-      for (int j = 0; j < MT; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float sum = 0.0f;
-#pragma unroll
-          for (int p = 0; p < KS; ++p) sum += partial[warp + p][(r * MT + j) * 4 + i][lane];
-          acc[r][j][i] = sum;
-        }
+      for (int p = 0; p < KS; ++p) sum += partial[warp + p][i][lane];
+      sums[i] = sum;
+    }
   }
   if (!active) return;
   // Accumulator i of tile (r, j): weight row 16 r + g (+ 8 for i >= 2), x row 8 j + 2 t (+ 1 for
