@@ -22,9 +22,8 @@ class ByteWriter {
   template <typename T>
   ByteWriter& put_all(const T* p, size_t n) {
     static_assert(std::is_trivially_copyable_v<T>);
-    const size_t at = bytes_.size();
-    bytes_.resize(at + n * sizeof(T));
-    if (n > 0) std::memcpy(bytes_.data() + at, p, n * sizeof(T));
+    const auto* b = reinterpret_cast<const uint8_t*>(p);
+    if (n > 0) bytes_.insert(bytes_.end(), b, b + n * sizeof(T));
     return *this;
   }
   ByteWriter& put_bytes(std::span<const uint8_t> b) { return put_all(b.data(), b.size()); }
