@@ -207,7 +207,7 @@ int main(int argc, char** argv) {
       MOE_CHECK(l.vocab == mc.vocab_size, kInvalidArgument,
                 "--executor {}: the worker's model has {} token ids, {}'s has {}: not the same model", executor_at,
                 l.vocab, model_dir, mc.vocab_size);
-      context = l.max_context;
+      context = cfg.max_context > 0 ? cfg.max_context : l.max_context;  // past the worker's: the scheduler refuses it
       std::fprintf(stderr, "moe-server: driving the executor at %s (%lld sequences, context %lld, %lld KV blocks of %lld tokens)\n",
                    executor_at.c_str(), static_cast<long long>(l.max_sequences), static_cast<long long>(l.max_context),
                    static_cast<long long>(l.kv_blocks), static_cast<long long>(l.block_size));
