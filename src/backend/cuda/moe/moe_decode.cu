@@ -66,7 +66,9 @@ __device__ __forceinline__ void load_gate_up_rows(const uint4* g, const uint4* u
 }
 
 // One act value from the loaded gate and up rows (block scales gsc, usc where W has them) and
-// the activation row xr: SiLU(gate . x) * (up . x), handed to store(value) on lane 0.
+// the activation row xr: SiLU(gate . x) * (up . x), handed to store(value) on lane 0. Each chunk
+// of x is converted to f32 once for both rows (measured with the one-row FP8 items: qwen3-30b-a3b
+// decode, H100, batch 3 +3.5% in bf16 and +3.0% in FP8, batch 1 +1% in FP8).
 template <int C, typename W, typename Store>
 __device__ __forceinline__ void gate_up_act(const uint4 (&gr)[C], const uint4 (&ur)[C], const float* gsc,
                                             const float* usc, const uint4* xr, int chunks, int lane, Store&& store) {
@@ -74,13 +76,14 @@ __device__ __forceinline__ void gate_up_act(const uint4 (&gr)[C], const uint4 (&
 #pragma unroll
   for (int c = 0; c < C; ++c) {
     const int idx = min(c * 32 + lane, chunks - 1);
-    const typename W::X xv = W::template load_x<true>(xr, idx);
+    float xf[W::kValues];
+    W::unpack_x(W::template load_x<true>(xr, idx), xf);
     if constexpr (W::kScaled) {
-      gs += W::scale(gsc, idx) * W::dot(gr[c], xv);
-      us += W::scale(usc, idx) * W::dot(ur[c], xv);
+      gs += W::scale(gsc, idx) * W::dot_f32(gr[c], xf);
+      us += W::scale(usc, idx) * W::dot_f32(ur[c], xf);
     } else {
-      gs += W::dot(gr[c], xv);
-      us += W::dot(ur[c], xv);
+      gs += W::dot_f32(gr[c], xf);
+      us += W::dot_f32(ur[c], xf);
     }
   }
   gs = warp_sum(gs);
@@ -152,54 +155,48 @@ struct OneTokenRouting {
   }
 };
 
-// Persistent: warp w of the grid takes items w, w + warps, ...; item = (active expert, kRows
-// rows from j): the gate and up rows (C 16-byte chunks per lane each, all loads issued before the
-// first use), applied to each of the expert's slots; act[slot, j] = bf16(SiLU(gate) * up).
-// Consecutive warps take consecutive rows, so the whole grid streams one region of memory. FP8
-// rows are half the bytes of bf16 ones: two rows an item keep as many loads in flight per lane.
-template <typename W>
-constexpr int gate_up_rows_per_item() { return W::kScaled ? 2 : 1; }
-
+// Persistent: warp w of the grid takes items w, w + warps, ...; item = (active expert, row j):
+// the gate and up rows (C 16-byte chunks per lane each, all loads issued before the first use),
+// applied to each of the expert's slots; act[slot, j] = bf16(SiLU(gate) * up). Consecutive warps
+// take consecutive rows, so the whole grid streams one region of memory. FP8 rows too go one an
+// item, though they are half the bytes: two rows an item (as many loads in flight as bf16's one)
+// measured slower (qwen3-30b-a3b-fp8 decode, H100: batch 1 398 against 393 tokens/s, batch 3 745
+// against 736; bench/gpu_fp8_h100.md).
 // C: 16-byte chunks of a row per lane; Route: Routing or OneTokenRouting; W: weight_rows.cuh.
 template <int C, typename Route, typename W>
 __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) gate_up_kernel(
     const __nv_bfloat16* __restrict__ x, const void* __restrict__ w_gate_up, const float* __restrict__ scales,
     const int* __restrict__ ids, int slots, int hidden, int inter, int top_k,
     __nv_bfloat16* __restrict__ act) {
-  constexpr int kRows = gate_up_rows_per_item<W>();
   wait_for_predecessor();  // chained after the router, whose ids it reads
   allow_dependents();
   const Route route(ids, slots);
   const int lane = threadIdx.x % 32;
   const int chunks = hidden / W::kValues;
-  const int per_expert = inter / kRows;
-  const int total = route.num_active() * per_expert;
+  const int total = route.num_active() * inter;
   for (int item = blockIdx.x * kGemvWarps + threadIdx.x / 32; item < total;
        item += gridDim.x * kGemvWarps) {
-    const int e = route.expert(item / per_expert), j0 = item % per_expert * kRows;
-    uint4 gr[kRows][C], ur[kRows][C];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const uint4* g = W::row(w_gate_up, e, 2 * inter, j0 + r, hidden);
-      load_gate_up_rows(g, g + (size_t)inter * chunks, chunks, lane, [](const uint4* p) { return load_stream(p); },
-                        gr[r], ur[r]);
-    }
-    route.for_slots(item / per_expert, e, [&](int s) {
+    const int e = route.expert(item / inter), j = item % inter;
+    uint4 gr[C], ur[C];
+    const uint4* g = W::row(w_gate_up, e, 2 * inter, j, hidden);
+    load_gate_up_rows(g, g + (size_t)inter * chunks, chunks, lane, [](const uint4* p) { return load_stream(p); },
+                      gr, ur);
+    const float* gsc = W::row_scales(scales, e, 2 * inter, j, hidden);
+    const float* usc = W::row_scales(scales, e, 2 * inter, inter + j, hidden);
+    route.for_slots(item / inter, e, [&](int s) {
       const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(s / top_k) * hidden);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const int j = j0 + r;
-        gate_up_act<C, W>(gr[r], ur[r], W::row_scales(scales, e, 2 * inter, j, hidden),
-                          W::row_scales(scales, e, 2 * inter, inter + j, hidden), xr, chunks, lane,
-                          [&](__nv_bfloat16 v) { act[(size_t)s * inter + j] = v; });
-      }
+      gate_up_act<C, W>(gr, ur, gsc, usc, xr, chunks, lane, [&](__nv_bfloat16 v) { act[(size_t)s * inter + j] = v; });
     });
   }
 }
 
-// Rows of down per warp item: 8 to 16 loads of 16 bytes in flight per lane (past 6 chunks two
-// rows spill at the 168-register cap).
-constexpr int down_rows(int chunks) { return chunks <= 2 ? 8 : chunks <= 4 ? 4 : chunks <= 6 ? 2 : 1; }
+// Rows of down per warp item: 128 to 256 bytes of weights in flight per lane (8 to 16 loads of
+// 16 bytes; past 96 bytes a row, two rows spill at the 168-register cap).
+template <typename W>
+constexpr int down_rows(int chunks) {
+  const int bytes = chunks * static_cast<int>(sizeof(typename W::Chunk));
+  return bytes <= 32 ? 8 : bytes <= 64 ? 4 : bytes <= 96 ? 2 : 1;
+}
 
 // Persistent like gate_up; item = (active expert, R consecutive rows of down). The first item's
 // weights are loaded before waiting for gate_up (they do not depend on it): that is what fills
@@ -209,7 +206,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
     const __nv_bfloat16* __restrict__ act, const void* __restrict__ w_down, const float* __restrict__ scales,
     const int* __restrict__ ids, int slots, const float* __restrict__ weights,
     int hidden, int inter, float* __restrict__ part) {
-  constexpr int R = down_rows(C);
+  constexpr int R = down_rows<W>(C);
+  using Chunk = typename W::Chunk;
   allow_dependents();
   const Route route(ids, slots);
   const int lane = threadIdx.x % 32;
@@ -218,12 +216,12 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
   const int total = route.num_active() * groups;
   const int stride = gridDim.x * kGemvWarps;
   int item = blockIdx.x * kGemvWarps + threadIdx.x / 32;
-  uint4 wr[R][C];
+  Chunk wr[R][C];
   auto load = [&](int it) {
     const int e = route.expert(it / groups), h0 = (it % groups) * R;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const uint4* w = W::row(w_down, e, hidden, min(h0 + r, hidden - 1), inter);
+      const Chunk* w = W::row(w_down, e, hidden, min(h0 + r, hidden - 1), inter);
 #pragma unroll
       for (int c = 0; c < C; ++c) wr[r][c] = load_stream(w + min(c * 32 + lane, chunks - 1));
     }
@@ -237,7 +235,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int c = 0; c < C; ++c)
-        if (c * 32 + lane >= chunks) wr[r][c] = make_uint4(0, 0, 0, 0);
+        if (c * 32 + lane >= chunks) wr[r][c] = Chunk{};
     route.for_slots(item / groups, e, [&](int s) {
       const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)s * inter);
       typename W::X av[C];
@@ -261,12 +259,17 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
   }
 }
 
-// Experts of one token whose down rows a lane holds at once in down_combine_kernel: about 12
-// loads of 16 bytes in flight (qwen3-30b-a3b's inter 768: 4 experts at 3 chunks), as in
-// down_kernel, which keeps the kernel within 128 registers and 4 blocks per SM. 8 experts at a
-// time (166 registers, 3 blocks per SM, half the warps) measured slower: qwen3-30b-a3b at M = 1,
-// the down projection alone (ncu) 15.6 against 14.3 µs, the layer 37.2 against 34.7.
-constexpr int combine_batch(int chunks) { return chunks >= 12 ? 1 : 12 / chunks < 8 ? 12 / chunks : 8; }
+// Experts of one token whose down rows a lane holds at once in down_combine_kernel: about 192
+// bytes of weights in flight per lane (qwen3-30b-a3b's inter 768 in bf16: 4 experts at 3 chunks
+// of 16 bytes; in FP8's 8-byte chunks all 8 experts at 3), as in down_kernel, which keeps the
+// kernel within 128 registers and 4 blocks per SM. 8 bf16 experts at a time (166 registers, 3
+// blocks per SM, half the warps) measured slower: qwen3-30b-a3b at M = 1, the down projection
+// alone (ncu) 15.6 against 14.3 µs, the layer 37.2 against 34.7.
+template <typename W>
+constexpr int combine_batch(int chunks) {
+  const int b = 192 / (chunks * static_cast<int>(sizeof(typename W::Chunk)));
+  return b < 1 ? 1 : b > 8 ? 8 : b;
+}
 
 // One token with the plain combine: down and the combine in one grid. Item = one row h of down,
 // taken from every active expert (combine_batch(C) experts' rows in flight at a time); the lane's
@@ -280,20 +283,21 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kDownCombineMinBlocks) down_c
     const __nv_bfloat16* __restrict__ act, const void* __restrict__ w_down, const float* __restrict__ scales,
     const int* __restrict__ ids, int slots, const float* __restrict__ weights, int hidden,
     int inter, __nv_bfloat16* __restrict__ y) {
-  constexpr int B = combine_batch(C);
+  constexpr int B = combine_batch<W>(C);
+  using Chunk = typename W::Chunk;
   allow_dependents();
   const OneTokenRouting route(ids, slots);
   const int n = route.num_active();
   const int lane = threadIdx.x % 32;
   const int chunks = inter / W::kValues;
   const int first = blockIdx.x * kGemvWarps + threadIdx.x / 32;
-  uint4 wr[B][C];
+  Chunk wr[B][C];
   // Rows h of the active experts a0 .. a0 + B - 1 (past n: the last one again, not used).
   auto load = [&](int h, int a0) {
 #pragma unroll
     for (int b = 0; b < B; ++b) {
       const int e = route.expert(min(a0 + b, n - 1));
-      const uint4* w = W::row(w_down, e, hidden, h, inter);
+      const Chunk* w = W::row(w_down, e, hidden, h, inter);
 #pragma unroll
       for (int c = 0; c < C; ++c) wr[b][c] = load_stream(w + min(c * 32 + lane, chunks - 1));
     }
@@ -308,7 +312,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kDownCombineMinBlocks) down_c
       for (int b = 0; b < B; ++b)
 #pragma unroll
         for (int c = 0; c < C; ++c)
-          if (c * 32 + lane >= chunks) wr[b][c] = make_uint4(0, 0, 0, 0);
+          if (c * 32 + lane >= chunks) wr[b][c] = Chunk{};
       // Every expert of the batch is used unconditionally (past n: the last one again, weighted
       // 0): behind a branch per expert, the compiler sinks that expert's loads to their use, and
       // the row's loads go one expert after another (measured with 8 experts a batch, ncu: 23.3
@@ -412,29 +416,16 @@ __global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const Part* 
   }
 }
 
-// The register arrays need a compile-time size: one instantiation per count of 16-byte chunks a
+// The register arrays need a compile-time size: one instantiation per count of chunks a
 // lane holds of a row of `chunks`.
 // FP8 rows of the widths the GEMV path takes (at most 2048) are at most 128 chunks: 4 a lane.
-template <typename W, typename F>
+template <typename W, int kMax = 2048 / W::kValues / 32, int kC = 1, typename F>
 cudaError_t with_chunks(int chunks, F&& f) {
-  constexpr int kMax = 2048 / W::kValues / 32;
-  const int c = (chunks + 31) / 32;
-  if (c > kMax) return cudaErrorInvalidValue;
-  switch (c) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    default:
-      if constexpr (kMax > 4) {
-        switch (c) {
-          case 5: return f(std::integral_constant<int, 5>{});
-          case 6: return f(std::integral_constant<int, 6>{});
-          case 7: return f(std::integral_constant<int, 7>{});
-          default: return f(std::integral_constant<int, 8>{});
-        }
-      }
-      return cudaErrorInvalidValue;
+  if constexpr (kC > kMax) {
+    return cudaErrorInvalidValue;
+  } else {
+    if ((chunks + 31) / 32 == kC) return f(std::integral_constant<int, kC>{});
+    return with_chunks<W, kMax, kC + 1>(chunks, f);
   }
 }
 
@@ -465,6 +456,48 @@ cudaError_t launch(void (*kernel)(Params...), int blocks, int threads, bool chai
   return launch_kernel(kernel, dim3(blocks), dim3(threads), 0, stream, chained, args...);
 }
 
+// One token's down projection and plain combine into y (down_combine_kernel).
+template <typename W, int kMaxChunks = 2048 / W::kValues / 32>
+cudaError_t launch_down_combine(const ExpertBuffers& b, const __nv_bfloat16* act, const int* ids, int slots,
+                                const float* weights, void* y, cudaStream_t stream) {
+  return with_chunks<W, kMaxChunks>(b.inter / W::kValues, [&](auto c) {
+    constexpr auto k = down_combine_kernel<decltype(c)::value, W>;
+    // As many warps as make whole rounds of rows: 2048 rows on 1584 resident warps would leave
+    // a second round of 464.
+    const int cap = persistent_blocks<k>(b.hidden) * kGemvWarps;
+    const int rounds = (b.hidden + cap - 1) / cap;
+    const int warps = (b.hidden + rounds - 1) / rounds;
+    return launch(k, (warps + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32, true, stream, act, b.down,
+                  b.down_scales, ids, slots, weights, b.hidden, b.inter, static_cast<__nv_bfloat16*>(y));
+  });
+}
+
+// The down projection into the f32 partial sums by slot (down_kernel).
+template <typename Route, typename W, int kMaxChunks = 2048 / W::kValues / 32>
+cudaError_t launch_down(const ExpertBuffers& b, const __nv_bfloat16* act, const int* ids, int slots,
+                        const float* weights, long long max_active, cudaStream_t stream) {
+  return with_chunks<W, kMaxChunks>(b.inter / W::kValues, [&](auto c) {
+    constexpr int C = decltype(c)::value;
+    constexpr auto k = down_kernel<C, Route, W>;
+    const long long groups = (b.hidden + down_rows<W>(C) - 1) / down_rows<W>(C);
+    return launch(k, persistent_blocks<k>(max_active * groups), kGemvWarps * 32, true, stream, act, b.down,
+                  b.down_scales, ids, slots, weights, b.hidden, b.inter, static_cast<float*>(b.part));
+  });
+}
+
+// FP8 down rows of up to 1024 columns go in 8-byte chunks where 16-byte ones would leave more
+// of the warp's lanes idle: qwen3-30b-a3b's 768 columns are 48 chunks of 16 bytes (lanes 16-31
+// idle on their second) but 96 of 8 (3 a lane, every lane busy), which also lets all 8 experts'
+// rows be in flight at once in down_combine_kernel (combine_batch) and 8 rows an item in
+// down_kernel (down_rows). The share of lane slots a row fills, in each form:
+// (Past 3 chunks a lane, 8-byte chunks never fill more: 97 to 128 of them are 49 to 64 of 16.)
+constexpr int kNarrowMaxChunks = 3;
+bool narrow_fills_more_lanes(int inter) {
+  const int wide = inter / Fp8Rows::kValues, narrow = inter / Fp8NarrowRows::kValues;
+  const int wide_slots = (wide + 31) / 32 * 32, narrow_slots = (narrow + 31) / 32 * 32;
+  return narrow_slots <= kNarrowMaxChunks * 32 && (long long)narrow * wide_slots > (long long)wide * narrow_slots;
+}
+
 // `y` set (one token, the plain combine): down_combine_kernel writes y and no combine follows.
 template <typename Route, typename W>
 cudaError_t launch_direct_with(const ExpertBuffers& b, const void* x, const int* ids,
@@ -475,32 +508,22 @@ cudaError_t launch_direct_with(const ExpertBuffers& b, const void* x, const int*
   auto* act = static_cast<__nv_bfloat16*>(b.act);
   cudaError_t err = with_chunks<W>(b.hidden / W::kValues, [&](auto c) {
     constexpr auto k = gate_up_kernel<decltype(c)::value, Route, W>;
-    constexpr int rows = gate_up_rows_per_item<W>();
-    return launch(k, persistent_blocks<k>(max_active * b.inter / rows), kGemvWarps * 32, true, stream,
+    return launch(k, persistent_blocks<k>(max_active * b.inter), kGemvWarps * 32, true, stream,
                   xb, b.gate_up, b.gate_up_scales, ids, slots, b.hidden, b.inter, b.top_k, act);
   });
   if (err != cudaSuccess) return err;
   if (y != nullptr) {
-    return with_chunks<W>(b.inter / W::kValues, [&](auto c) {
-      constexpr auto k = down_combine_kernel<decltype(c)::value, W>;
-      // As many warps as make whole rounds of rows: 2048 rows on 1584 resident warps would leave
-      // a second round of 464.
-      const int cap = persistent_blocks<k>(b.hidden) * kGemvWarps;
-      const int rounds = (b.hidden + cap - 1) / cap;
-      const int warps = (b.hidden + rounds - 1) / rounds;
-      return launch(k, (warps + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32, true, stream,
-                    static_cast<const __nv_bfloat16*>(act), b.down, b.down_scales, ids, slots, weights, b.hidden,
-                    b.inter, static_cast<__nv_bfloat16*>(y));
-    });
+    if constexpr (std::is_same_v<W, Fp8Rows>) {
+      if (narrow_fills_more_lanes(b.inter))
+        return launch_down_combine<Fp8NarrowRows, kNarrowMaxChunks>(b, act, ids, slots, weights, y, stream);
+    }
+    return launch_down_combine<W>(b, act, ids, slots, weights, y, stream);
   }
-  return with_chunks<W>(b.inter / W::kValues, [&](auto c) {
-    constexpr int C = decltype(c)::value;
-    constexpr auto k = down_kernel<C, Route, W>;
-    const long long groups = (b.hidden + down_rows(C) - 1) / down_rows(C);
-    return launch(k, persistent_blocks<k>(max_active * groups), kGemvWarps * 32, true, stream,
-                  static_cast<const __nv_bfloat16*>(act), b.down, b.down_scales, ids, slots, weights, b.hidden,
-                  b.inter, static_cast<float*>(b.part));
-  });
+  if constexpr (std::is_same_v<W, Fp8Rows>) {
+    if (narrow_fills_more_lanes(b.inter))
+      return launch_down<Route, Fp8NarrowRows, kNarrowMaxChunks>(b, act, ids, slots, weights, max_active, stream);
+  }
+  return launch_down<Route, W>(b, act, ids, slots, weights, max_active, stream);
 }
 
 // `y`: see launch_direct_with; only taken for one token (OneTokenRouting).
