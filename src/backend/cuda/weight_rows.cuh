@@ -1,6 +1,6 @@
 // How the weight-streaming kernels (the expert GEMVs, the dense GEMV) read a weight row: in
-// chunks of 16 (or 8) bytes, each dotted with the matching bf16 activations. One traits type per weight
-// format, so that a kernel is written once and instantiated per format:
+// chunks of 16 (or 8) bytes, each dotted with the matching bf16 activations. One traits type per
+// weight format, so that a kernel is written once and instantiated per format:
 //  - Bf16Rows: 8 values a chunk, no scales;
 //  - Fp8Rows: 16 E4M3 codes a chunk, one f32 scale per 128 x 128 block (DeepSeek's layout,
 //    moe/weight_format.h); a chunk never straddles two blocks, so its dot product is taken on
@@ -20,39 +20,8 @@
 
 namespace moe::cuda::kernels {
 
-// sum over i of code i of w (E4M3) * value i of the 16 bf16 in x0, x1, one fmaf at a time in
-// the order of i.
-__device__ __forceinline__ float dot_fp8x16(uint4 w, uint4 x0, uint4 x1) {
-  const __nv_fp8x2_storage_t* q = reinterpret_cast<const __nv_fp8x2_storage_t*>(&w);
-  const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&x0);
-  const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&x1);
-  float s = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float2 wf = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(q[i], __NV_E4M3)));
-    const float2 xf = __bfloat1622float2(i < 4 ? a[i] : b[i - 4]);
-    s = fmaf(wf.x, xf.x, s);
-    s = fmaf(wf.y, xf.y, s);
-  }
-  return s;
-}
-
-// sum over i of code i of w (E4M3) * value i of the 8 bf16 in x, in the order of i.
-__device__ __forceinline__ float dot_fp8x8(uint2 w, uint4 x) {
-  const __nv_fp8x2_storage_t* q = reinterpret_cast<const __nv_fp8x2_storage_t*>(&w);
-  const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&x);
-  float s = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 wf = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(q[i], __NV_E4M3)));
-    const float2 xf = __bfloat1622float2(a[i]);
-    s = fmaf(wf.x, xf.x, s);
-    s = fmaf(wf.y, xf.y, s);
-  }
-  return s;
-}
-
-// sum over i of code i of w (E4M3) * x[i], for the 2n codes of w, in the order of i.
+// sum over i of code i of w (E4M3) * x[i], for the 2 kPairs codes of w, one fmaf at a time in the
+// order of i.
 template <int kPairs>
 __device__ __forceinline__ float dot_fp8_f32(const __nv_fp8x2_storage_t* q, const float* x) {
   float s = 0.0f;
@@ -66,11 +35,11 @@ __device__ __forceinline__ float dot_fp8_f32(const __nv_fp8x2_storage_t* q, cons
 }
 
 // Every traits type gives: Chunk, the unit a lane loads (16 or 8 bytes); kValues per chunk;
-// row() and row_scales() of row `row` of matrix m of count x [rows, cols]; X, the activation values one chunk meets, load_x() to read them (kLdg:
-// through the read-only path; plain where a predecessor in the same chain wrote them); dot() of
-// a chunk with them; unpack_x() of those values to f32 and dot_f32() of a chunk with them (where
-// one chunk of x meets several rows, converted once); scale() of chunk c given the row's scales
-// (1 without scales).
+// row() and row_scales() of row `row` of matrix m of count x [rows, cols]; X, the activation
+// values one chunk meets, load_x() to read them (kLdg: through the read-only path; plain where a
+// predecessor in the same chain wrote them); dot() of a chunk with them; unpack_x() of those
+// values to f32 and dot_f32() of a chunk with them (where one chunk of x meets several rows,
+// converted once); scale() of chunk c given the row's scales (1 without scales).
 struct Bf16Rows {
   using Chunk = uint4;
   static constexpr int kValues = 8;
@@ -119,7 +88,11 @@ struct Fp8Rows {
   __device__ static X load_x(const uint4* x, int c) {
     return kLdg ? X{__ldg(x + 2 * c), __ldg(x + 2 * c + 1)} : X{x[2 * c], x[2 * c + 1]};
   }
-  __device__ static float dot(uint4 w, const X& x) { return dot_fp8x16(w, x.lo, x.hi); }
+  __device__ static float dot(uint4 w, const X& x) {
+    float xf[kValues];
+    unpack_x(x, xf);
+    return dot_f32(w, xf);
+  }
   __device__ static void unpack_x(const X& x, float (&f)[kValues]) {
     unpack_bf16x8(x.lo, reinterpret_cast<float(&)[8]>(f[0]));
     unpack_bf16x8(x.hi, reinterpret_cast<float(&)[8]>(f[8]));
@@ -154,7 +127,11 @@ struct Fp8NarrowRows {
   }
   template <bool kLdg>
   __device__ static X load_x(const uint4* x, int c) { return kLdg ? __ldg(x + c) : x[c]; }
-  __device__ static float dot(uint2 w, const X& x) { return dot_fp8x8(w, x); }
+  __device__ static float dot(uint2 w, const X& x) {
+    float xf[kValues];
+    unpack_x(x, xf);
+    return dot_f32(w, xf);
+  }
   __device__ static void unpack_x(const X& x, float (&f)[kValues]) { unpack_bf16x8(x, f); }
   __device__ static float dot_f32(uint2 w, const float (&x)[kValues]) {
     return dot_fp8_f32<4>(reinterpret_cast<const __nv_fp8x2_storage_t*>(&w), x);
