@@ -3,8 +3,8 @@
 # (--dp 2) over every backend that exchanges each GPU's own tokens (once more with a step budget
 # of 4 tokens, so that the prompt is prefilled in chunks), on the bundled tiny model: each must
 # serve a streamed greedy completion (chunks, then [DONE]) whose text equals the one-GPU server's.
-# Last, the two-GPU data-parallel executor in a worker process (--serve-executor) driven by a
-# server over TCP (--executor). Prints one line per case; exit status 0 only when every one passed.
+# Last, the two-GPU data-parallel executor in a worker process (--serve-executor) driven by two
+# servers in turn over TCP (--executor), then stopped with SIGTERM. Prints one line per case; exit status 0 only when every one passed.
 #
 #   scripts/serve_ep_check.sh [BIN_DIR]      BIN_DIR holds moe-server (default build/release)
 set -u
@@ -106,9 +106,16 @@ for _ in $(seq 1 600); do
   kill -0 "$worker" 2>/dev/null || break
   sleep 0.1
 done
+# driver_gone: until the worker has logged its driver's departure (a driver that came sooner
+# would find it busy).
+driver_gone() {
+  for _ in $(seq 1 100); do grep -q 'the driver disconnected' "$work/worker.log" && return 0; sleep 0.1; done
+  return 1
+}
 if [ -n "$port" ] && serve worker_dp --executor "127.0.0.1:$port" && cmp -s "$work/one_gpu" "$work/worker_dp" &&
-    wait "$worker"; then
-  echo "ok   a server driving a --dp 2 worker over TCP streams the one-GPU text, and the worker exits cleanly"
+    driver_gone && serve worker_dp_again --executor "127.0.0.1:$port" && cmp -s "$work/one_gpu" "$work/worker_dp_again" &&
+    kill -TERM "$worker" && wait "$worker"; then
+  echo "ok   two servers in turn driving a --dp 2 worker over TCP stream the one-GPU text, and the worker exits cleanly on SIGTERM"
 else
   echo "FAIL --dp 2 worker: $(tr '\n' ' ' < "$work/worker_dp" 2>/dev/null) $(tail -n 2 "$work/worker.log")"
   kill "$worker" 2>/dev/null

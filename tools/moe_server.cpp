@@ -5,15 +5,17 @@
 // signals.
 //
 // The executor may live in another process (runtime/remote_executor.h): `--serve-executor
-// HOST:PORT` makes this process a worker that loads the model and answers one driver's calls on
-// that address instead of serving HTTP; `--executor HOST:PORT` makes it the driver, which reads
-// only the config and tokenizer and schedules onto the worker.
+// HOST:PORT` makes this process a worker that loads the model and answers the calls of drivers
+// on that address, one at a time, until it is sent SIGTERM or SIGINT (runtime/executor_worker.h);
+// `--executor HOST:PORT` makes it a driver, which reads only the config and tokenizer and
+// schedules onto the worker.
 #include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <thread>
 
@@ -31,6 +33,7 @@
 #include "model/config.h"
 #include "model/model.h"
 #include "moe/errors.h"
+#include "runtime/executor_worker.h"
 #include "runtime/remote_executor.h"
 #include "serve/http/http_server.h"
 #include "serve/openai_api.h"
@@ -55,6 +58,30 @@ std::string http_metrics(const serve::http::HttpStats& s) {
   line("moe_http_rejected_requests_total", "counter", s.rejected);
   return out;
 }
+
+// Runs `on_signal` on its own thread when SIGTERM or SIGINT arrives (blocked in every thread, so
+// that only its sigwait takes them). Destroyed without a signal, it wakes that thread, which then
+// does nothing.
+class ShutdownWaiter {
+ public:
+  ShutdownWaiter(const sigset_t& signals, std::function<void()> on_signal)
+      : thread_([this, signals, f = std::move(on_signal)] {
+          int sig = 0;
+          sigwait(&signals, &sig);
+          if (!done_) f();
+        }) {}
+  ~ShutdownWaiter() {
+    done_ = true;
+    pthread_kill(thread_.native_handle(), SIGTERM);  // blocked everywhere: only its sigwait takes it
+    thread_.join();
+  }
+  ShutdownWaiter(const ShutdownWaiter&) = delete;
+  ShutdownWaiter& operator=(const ShutdownWaiter&) = delete;
+
+ private:
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
 
 }  // namespace
 
@@ -103,8 +130,9 @@ int main(int argc, char** argv) {
     std::string serve_executor_at, executor_at;
     double executor_timeout_s = 600;
     app.add_option("--serve-executor", serve_executor_at,
-                   "HOST:PORT: be an executor worker: load the model as the other flags say, then answer one "
-                   "driver (moe-server --executor) on this address instead of serving HTTP; exits when it disconnects");
+                   "HOST:PORT: be an executor worker: load the model as the other flags say, then answer drivers "
+                   "(moe-server --executor) on this address, one at a time, instead of serving HTTP; a driver's "
+                   "sequences are closed when it goes; exits on SIGTERM or SIGINT");
     app.add_option("--executor", executor_at,
                    "HOST:PORT: drive the executor of a worker (moe-server --serve-executor) instead of loading "
                    "weights; -m gives the config and tokenizer, the worker's flags its device, parallelism and cache");
@@ -150,12 +178,12 @@ int main(int argc, char** argv) {
     MOE_CHECK(max_prompt_tokens >= 0, kInvalidArgument, "--max-prompt-tokens must be >= 0, got {}", max_prompt_tokens);
 
     // Block the shutdown signals before any thread starts, so that only the waiter below sees them
-    // (a worker keeps their default: it has nothing to finish).
+    // (one that arrives while the model loads is taken once it has loaded).
     sigset_t signals;
     sigemptyset(&signals);
     sigaddset(&signals, SIGTERM);
     sigaddset(&signals, SIGINT);
-    if (!worker_at) pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
     MOE_CHECK(fs::is_directory(model_dir), kIo, "model directory {} does not exist", model_dir);
     const std::string tok_path = cli::tokenizer_path(model_dir, tokenizer);
@@ -245,11 +273,20 @@ int main(int argc, char** argv) {
       const int listen_fd = net::listen_tcp(*worker_at, &bound);
       std::fprintf(stderr, "moe-server: executor worker listening on %s:%d\n", worker_at->host.c_str(), bound);
       std::fflush(stderr);
-      const int fd = net::accept_one(listen_fd);
-      ::close(listen_fd);  // one driver: its sequences are this executor's
-      runtime::serve_executor(*executor, fd, executor_timeout_s);
-      ::close(fd);
-      std::fprintf(stderr, "moe-server: the driver disconnected; the worker exits\n");
+      runtime::ExecutorWorker worker(*executor, listen_fd, executor_timeout_s, [](const std::string& line) {
+        std::fprintf(stderr, "moe-server: %s\n", line.c_str());
+        std::fflush(stderr);
+      });
+      {
+        ShutdownWaiter waiter(signals, [&] {
+          std::fprintf(stderr, "moe-server: shutting down the executor worker\n");
+          worker.stop();
+        });
+        worker.run();
+      }
+      ::close(listen_fd);
+      std::fprintf(stderr, "moe-server: the executor worker served %lld driver(s) and exits\n",
+                   static_cast<long long>(worker.drivers_served()));
       return 0;
     }
     auto scheduler = std::make_unique<serve::Scheduler>(*executor, cfg, &tok);
@@ -270,19 +307,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "moe-server: serving %s on http://%s:%d\n", api.model_name.c_str(), host.c_str(), bound);
     std::fflush(stderr);
 
-    std::atomic<bool> listener_ended{false};
-    std::thread waiter([&] {
-      int sig = 0;
-      sigwait(&signals, &sig);
-      if (listener_ended) return;  // woken below: the listener ended on its own
-      std::fprintf(stderr, "moe-server: shutting down\n");
-      loop.shutdown();  // in-flight requests end (cut), so their handlers answer and return
-      http->stop();     // connections still sending a request are dropped at once
-    });
-    http->run();
-    listener_ended = true;
-    pthread_kill(waiter.native_handle(), SIGTERM);  // blocked everywhere: only sigwait takes it
-    waiter.join();
+    {
+      ShutdownWaiter waiter(signals, [&] {
+        std::fprintf(stderr, "moe-server: shutting down\n");
+        loop.shutdown();  // in-flight requests end (cut), so their handlers answer and return
+        http->stop();     // connections still sending a request are dropped at once
+      });
+      http->run();
+    }
     loop.shutdown();
     return 0;
   });

@@ -1,10 +1,13 @@
 #include "runtime/remote_executor.h"
 
+#include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <optional>
+#include <set>
 
 #include "core/byte_io.h"
 #include "core/socket_io.h"
@@ -95,8 +98,37 @@ KvUsage get_usage(In& in) {
 
 void put_usage(Out& out, const KvUsage& u) { out.put(u.total).put(u.free).put(u.cached); }
 
+// The sequences one driver opened and has not closed. Closed when the driver goes, whichever way
+// serve_executor ends, so that the next driver finds every block free again (published blocks
+// stay findable for prefix reuse).
+class DriverSequences {
+ public:
+  explicit DriverSequences(Executor& x) : x_(x) {}
+  ~DriverSequences() { close_all(); }
+  DriverSequences(const DriverSequences&) = delete;
+  DriverSequences& operator=(const DriverSequences&) = delete;
+  void opened(int32_t seq) { open_.insert(seq); }
+  void closed(int32_t seq) { open_.erase(seq); }
+  // Closes them all and returns how many there were.
+  int64_t close_all() noexcept {
+    const auto n = static_cast<int64_t>(open_.size());
+    for (const int32_t seq : open_) {
+      try {
+        x_.close(seq);
+      } catch (...) {  // an executor that cannot close one still closes the others
+      }
+    }
+    open_.clear();
+    return n;
+  }
+
+ private:
+  Executor& x_;
+  std::set<int32_t> open_;
+};
+
 // The reply to one request; throws what the executor throws (kFormat for a malformed request).
-Out answer(Executor& x, In& in, Call call) {
+Out answer(Executor& x, In& in, Call call, DriverSequences& sequences) {
   Out out;
   switch (call) {
     case Call::kLimits: {
@@ -105,13 +137,17 @@ Out answer(Executor& x, In& in, Call call) {
       out.put(l.max_sequences).put(l.max_context).put(l.block_size).put(l.kv_blocks).put(l.vocab).put(l.groups);
       return out;
     }
-    case Call::kOpen:
+    case Call::kOpen: {
       in.end();
-      return out.put(x.open());
+      const int32_t seq = x.open();
+      sequences.opened(seq);
+      return out.put(seq);
+    }
     case Call::kClose: {
       const auto seq = in.get<int32_t>();
       in.end();
       x.close(seq);
+      sequences.closed(seq);
       return out;
     }
     case Call::kLength: {
@@ -278,11 +314,53 @@ StepResult RemoteExecutor::run(const StepPlan& plan) {
   return r;
 }
 
-void serve_executor(Executor& executor, int fd, double timeout_s) {
+namespace {
+
+// An error frame to a driver that connects to `listener` while another is served, then its
+// connection closed. Its first request (RemoteExecutor asks for the limits at once) is read
+// first, briefly: closing a socket with unread bytes would reset the connection, and the driver
+// could lose the answer. False when the listener no longer accepts (it was shut down).
+bool refuse_second_driver(int listener) {
+  const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+  if (fd < 0) return errno == EINTR || errno == ECONNABORTED || errno == EAGAIN;
+  try {
+    recv_frame(fd, net::after(1.0), 1.0, kDriver);
+  } catch (const Error&) {  // it sent nothing or garbage: it gets the answer all the same
+  }
+  const std::string why = "executor worker: busy with another driver (a worker serves one at a time)";
+  Out reply = Out{}.put(kFailed).put(static_cast<uint8_t>(ErrorKind::kIo));
+  reply.put_bytes({reinterpret_cast<const uint8_t*>(why.data()), why.size()});
+  try {
+    send_frame(fd, reply.bytes(), net::after(1.0), 1.0, kDriver);
+  } catch (const Error&) {
+  }
+  ::close(fd);
+  return true;
+}
+
+// Waits for the driver's next request on `fd`, refusing the drivers that connect to `listener`
+// (-1: none) meanwhile. Returns when `fd` has bytes or has closed.
+void wait_for_request(int fd, int& listener) {
+  while (listener >= 0) {
+    pollfd p[2] = {{fd, POLLIN, 0}, {listener, POLLIN, 0}};
+    if (::poll(p, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;  // recv_frame reports what is wrong with fd
+    }
+    if (p[0].revents != 0) return;  // the driver first: one that has just left is not busy
+    if (p[1].revents != 0 && !refuse_second_driver(listener)) listener = -1;
+  }
+}
+
+}  // namespace
+
+int64_t serve_executor(Executor& executor, int fd, double timeout_s, int busy_listener) {
   MOE_CHECK(timeout_s > 0, kInvalidArgument, "{}: the timeout must be positive, got {} s", kDriver, timeout_s);
+  DriverSequences sequences(executor);
   for (;;) {
+    wait_for_request(fd, busy_listener);
     std::optional<std::vector<uint8_t>> req = recv_frame(fd, net::kNoDeadline, timeout_s, kDriver);
-    if (!req) return;
+    if (!req) return sequences.close_all();
     Out reply;
     bool broken = false;  // the request itself could not be read
     try {
@@ -291,7 +369,7 @@ void serve_executor(Executor& executor, int fd, double timeout_s) {
       broken = call < static_cast<uint8_t>(Call::kLimits) || call > static_cast<uint8_t>(Call::kRun);
       MOE_CHECK(!broken, kFormat, "{}: unknown call {}", kDriver, static_cast<int>(call));
       reply = Out{}.put(kOk);
-      reply.put_bytes(answer(executor, in, static_cast<Call>(call)).bytes());
+      reply.put_bytes(answer(executor, in, static_cast<Call>(call), sequences).bytes());
     } catch (const Error& e) {
       broken = broken || e.kind() == ErrorKind::kFormat;
       reply = Out{}.put(kFailed).put(static_cast<uint8_t>(e.kind()));
@@ -302,7 +380,7 @@ void serve_executor(Executor& executor, int fd, double timeout_s) {
       reply.put_bytes({reinterpret_cast<const uint8_t*>(text.data()), text.size()});
     }
     send_frame(fd, reply.bytes(), net::after(timeout_s), timeout_s, kDriver);
-    if (broken) return;
+    if (broken) return sequences.close_all();
   }
 }
 

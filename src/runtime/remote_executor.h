@@ -70,7 +70,10 @@ class RemoteExecutor final : public Executor {
 // cannot be decoded (an unknown call, arguments cut short or left over, a malformed plan) is
 // answered with a kFormat error and ends the loop, as the stream can no longer be trusted. A
 // frame past kMaxFrameBytes (kFormat) or a driver that goes away inside a message (kIo) throws.
-// Does not close `fd`.
-void serve_executor(Executor& executor, int fd, double timeout_s = 600.0);
+// However it ends, the sequences the driver opened and did not close are closed, so that the
+// executor can serve another driver; returns how many there were. With `busy_listener` (a
+// listening socket), a driver that connects there meanwhile is answered with one kIo line (the
+// worker is busy) and closed. Does not close `fd`.
+int64_t serve_executor(Executor& executor, int fd, double timeout_s = 600.0, int busy_listener = -1);
 
 }  // namespace moe::runtime

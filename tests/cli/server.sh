@@ -219,8 +219,10 @@ for backend in local_allreduce alltoall_packed; do
   pid=""
 done
 
-# The executor in another process: a worker holds the model, a server drives it over TCP and
-# serves the one-process greedy text; the worker exits cleanly once its driver has gone.
+# The executor in another process: a worker holds the model and a server drives it over TCP,
+# serving the one-process greedy text. A driver of another model is refused in one line, and so
+# is a second driver while one is served; when a driver goes, the worker waits for the next (two
+# servers in turn give the same text); SIGTERM ends it cleanly.
 # start_worker LOG: starts an executor worker on the tiny model; sets worker and worker_port.
 start_worker() {
   "$server" -m "$model" -t 2 --max-batch 16 --serve-executor 127.0.0.1:0 2>"$1" &
@@ -233,39 +235,55 @@ start_worker() {
     sleep 0.1
   done
 }
-# A driver whose config is another model's is refused in one line (the worker then exits).
-start_worker "$work/log_worker_other"
-if [ -n "$worker_port" ]; then
+# wait_drivers_gone N: until the worker has logged N drivers gone (at most 10 s).
+wait_drivers_gone() {
+  for _ in $(seq 1 100); do
+    [ "$(grep -cE 'the driver disconnected|connection ended' "$work/log_worker")" -ge "$1" ] && return 0
+    sleep 0.1
+  done
+  return 1
+}
+start_worker "$work/log_worker"
+if [ -z "$worker_port" ]; then
+  fail "executor worker did not start: $(cat "$work/log_worker")"
+else
   err=$("$server" -m "$src/tests/fixtures/olmoe_f32" --tokenizer "$model/tokenizer.json" --port 0 \
     --executor "127.0.0.1:$worker_port" 2>&1 >/dev/null)
   rc=$?
   [ "$rc" = 1 ] && [[ "$err" == error:*"not the same model"* ]] && ok "--executor over another model's worker: $err" ||
     fail "--executor over another model's worker: exit $rc, $err"
-  wait "$worker" 2>/dev/null
-fi
-start_worker "$work/log_worker"
-if [ -z "$worker_port" ]; then
-  fail "executor worker did not start: $(cat "$work/log_worker")"
-else
-  start_server "$work/log_driver" -m "$model" --port 0 --executor "127.0.0.1:$worker_port"
-  if [ -n "$url" ] && [ "$(request POST /v1/completions '{"prompt": "Hello there", "max_tokens": 8, "temperature": 0}')" = 200 ] &&
-      body_has_text0; then
-    ok "a server driving an executor worker over TCP gives the one-process text"
-  else
-    fail "--executor: $(cat "$work/body" 2>/dev/null) $(tail -n 3 "$work/log_driver") $(tail -n 3 "$work/log_worker")"
-  fi
-  kill -TERM "$pid" 2>/dev/null
-  wait "$pid" 2>/dev/null
-  pid=""
+  wait_drivers_gone 1 || fail "the worker did not log the refused driver's departure: $(tail -n 2 "$work/log_worker")"
+  for round in 1 2; do
+    start_server "$work/log_driver" -m "$model" --port 0 --executor "127.0.0.1:$worker_port"
+    if [ -n "$url" ] && [ "$(request POST /v1/completions '{"prompt": "Hello there", "max_tokens": 8, "temperature": 0}')" = 200 ] &&
+        body_has_text0; then
+      ok "server $round of 2 driving the executor worker over TCP gives the one-process text"
+    else
+      fail "--executor, server $round: $(cat "$work/body" 2>/dev/null) $(tail -n 3 "$work/log_driver") $(tail -n 3 "$work/log_worker")"
+    fi
+    if [ "$round" = 1 ]; then
+      err=$("$server" -m "$model" --port 0 --executor "127.0.0.1:$worker_port" 2>&1 >/dev/null)
+      rc=$?
+      [ "$rc" = 1 ] && [[ "$err" == error:*"busy with another driver"* ]] &&
+        ok "a second driver while one is served: $err" || fail "a second driver while one is served: exit $rc, $err"
+    fi
+    kill -TERM "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+    pid=""
+    wait_drivers_gone $((round + 1)) || fail "the worker did not see server $round go: $(tail -n 2 "$work/log_worker")"
+  done
+  kill -0 "$worker" 2>/dev/null && ok "the executor worker outlives its drivers" ||
+    fail "the executor worker exited with its drivers: $(tail -n 2 "$work/log_worker")"
+  kill -TERM "$worker" 2>/dev/null
   for _ in $(seq 1 100); do kill -0 "$worker" 2>/dev/null || break; sleep 0.1; done
   if kill -0 "$worker" 2>/dev/null; then
-    fail "the executor worker still runs 10 s after its driver exited"
-    kill "$worker"
+    fail "the executor worker still runs 10 s after SIGTERM"
+    kill -KILL "$worker"
   else
     wait "$worker"
     rc=$?
-    [ "$rc" = 0 ] && grep -q 'the driver disconnected' "$work/log_worker" &&
-      ok "the executor worker exits cleanly when its driver goes" ||
+    [ "$rc" = 0 ] && grep -q 'served 3 driver(s) and exits' "$work/log_worker" &&
+      ok "the executor worker exits cleanly on SIGTERM" ||
       fail "executor worker: exit status $rc, $(tail -n 2 "$work/log_worker")"
   fi
 fi

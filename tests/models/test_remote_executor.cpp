@@ -2,7 +2,9 @@
 // through a socketpair and a worker thread generates exactly what it generates with the executor
 // in hand; a refused call comes back with its kind and message; a worker that dies, stalls or
 // answers garbage is reported in one line instead of hanging the driver; a driver that sends
-// garbage gets an error and the worker stops reading.
+// garbage gets an error and the worker stops reading; the sequences a driver leaves open are
+// closed when it goes, and a worker process (ExecutorWorker) serves drivers one after another
+// over TCP, refusing a second one meanwhile.
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -12,12 +14,16 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "backend/cpu/cpu_executor.h"
+#include "core/tcp_endpoint.h"
 #include "model/model.h"
+#include "runtime/executor_worker.h"
 #include "runtime/remote_executor.h"
 #include "serve/scheduler.h"
 #include "../support/fixtures.h"
@@ -79,6 +85,17 @@ std::map<uint64_t, std::vector<int32_t>> serve_all(runtime::Executor& x, uint32_
   *preemptions = s.stats().preemptions;
   *prefix_hits = s.stats().prefix_hit_tokens;
   return out;
+}
+
+// serve_executor on a thread of its own; *failure receives what it throws.
+std::thread serve_catching(runtime::Executor& x, int fd, double timeout_s, std::optional<Error>* failure) {
+  return std::thread([&x, fd, timeout_s, failure] {
+    try {
+      runtime::serve_executor(x, fd, timeout_s);
+    } catch (const Error& e) {
+      *failure = e;
+    }
+  });
 }
 
 TEST(RemoteExecutor, TheSchedulerAcrossASocketGeneratesWhatItDoesInProcess) {
@@ -248,13 +265,7 @@ TEST(RemoteExecutor, ADriverStalledInsideARequestEndsTheWorker) {
   for (bool trickle : {false, true}) {
     SocketPair sp;
     std::optional<Error> failure;
-    std::thread worker([&] {
-      try {
-        runtime::serve_executor(served, sp.worker, 0.3);
-      } catch (const Error& e) {
-        failure = e;
-      }
-    });
+    std::thread worker = serve_catching(served, sp.worker, 0.3, &failure);
     // Half a frame header; then, when trickling, the rest of a limits request a byte every 20 ms.
     const uint8_t request[5] = {1, 0, 0, 0, 1};
     ASSERT_EQ(::write(sp.driver, request, 2), 2);
@@ -290,6 +301,118 @@ TEST(RemoteExecutor, AGarbledRequestGetsAnErrorAndEndsTheWorker) {
     worker.join();  // returned after the error, without waiting for more
     ::close(sp.driver);
   }
+}
+
+// A step that prefills `n` tokens into each of `seqs`, so that they hold blocks.
+runtime::StepPlan prefill(const std::vector<int32_t>& seqs, int32_t n) {
+  runtime::StepPlan plan;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    for (int32_t t = 0; t < n; ++t) plan.tokens.push_back(static_cast<int32_t>(i * 31 + t * 7 + 1));
+    plan.rows.push_back({seqs[i], static_cast<int32_t>(i) * n, n, true, {}, 0, runtime::RowLogits::kNone});
+  }
+  return plan;
+}
+
+// The executor holds no sequence: every block is free and max_sequences can be opened (then
+// closed again).
+void expect_no_sequence_open(runtime::Executor& x, const char* after) {
+  EXPECT_EQ(x.kv_usage().free, x.kv_usage().total) << after;
+  std::vector<int32_t> seqs;
+  for (int64_t i = 0; i < x.limits().max_sequences; ++i) {
+    try {
+      seqs.push_back(x.open());
+    } catch (const Error& e) {
+      ADD_FAILURE() << after << ": only " << i << " of " << x.limits().max_sequences << " could be opened: " << e.what();
+      break;
+    }
+  }
+  for (const int32_t s : seqs) x.close(s);
+}
+
+// However a driver goes (it closes its end between requests, or stalls inside one), the
+// sequences it opened and did not close are closed, and serve_executor says how many.
+TEST(RemoteExecutor, TheSequencesADriverLeavesOpenAreClosedWhenItGoes) {
+  auto model = Model::load(fixture_dir("tiny_qwen3_moe"));
+  cpu::Executor served(*model, small_pool());
+  {
+    SocketPair sp;
+    int64_t closed = -1;
+    std::thread worker([&] { closed = runtime::serve_executor(served, sp.worker); });
+    {
+      RemoteExecutor remote(sp.driver, 30.0);
+      std::vector<int32_t> seqs = {remote.open(), remote.open(), remote.open()};
+      remote.run(prefill(seqs, 12));
+      remote.close(seqs[1]);  // closed by the driver: not counted again
+      EXPECT_LT(remote.kv_usage().free, remote.kv_usage().total);
+    }
+    worker.join();
+    EXPECT_EQ(closed, 2);
+    expect_no_sequence_open(served, "after a driver that left two sequences open");
+  }
+  {
+    SocketPair sp;
+    std::optional<Error> failure;
+    std::thread worker = serve_catching(served, sp.worker, 0.3, &failure);
+    {
+      RemoteExecutor remote(::dup(sp.driver), 30.0);
+      remote.run(prefill({remote.open(), remote.open()}, 9));
+      const uint8_t half_a_header[2] = {1, 0};  // then nothing: the worker gives up on the request
+      ASSERT_EQ(::write(sp.driver, half_a_header, 2), 2);
+      worker.join();
+    }
+    ASSERT_TRUE(failure.has_value()) << "a stalled request was served";
+    expect_no_sequence_open(served, "after a driver that stalled inside a request");
+    ::close(sp.driver);
+  }
+}
+
+// moe-server --serve-executor's loop: drivers over TCP one after another, each finding the
+// executor as the worker loaded it (the one before left sequences open); a driver that connects
+// while another is served gets one line; stop() ends the loop with a driver still connected.
+TEST(ExecutorWorker, ServesDriversOneAfterAnotherRefusesASecondAtOnceAndStops) {
+  auto model = Model::load(fixture_dir("tiny_qwen3_moe"));
+  cpu::Executor served(*model, small_pool());
+  int port = 0;
+  const int listener = net::listen_tcp({"127.0.0.1", 0}, &port);
+  std::mutex log_mu;
+  std::vector<std::string> log;
+  runtime::ExecutorWorker worker(served, listener, 30.0, [&](const std::string& line) {
+    std::lock_guard<std::mutex> lock(log_mu);
+    log.push_back(line);
+  });
+  std::thread serving([&] { worker.run(); });
+  auto connect = [&] { return net::connect_tcp({"127.0.0.1", port}, 5.0); };
+  auto wait_for_drivers = [&](int64_t n) {
+    for (int i = 0; i < 500 && worker.drivers_served() < n; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    ASSERT_EQ(worker.drivers_served(), n);
+  };
+  {
+    RemoteExecutor first(connect(), 30.0);
+    const std::vector<int32_t> seqs = {first.open(), first.open(), first.open()};
+    first.run(prefill(seqs, 20));
+    std::string why;
+    EXPECT_EQ(test::error_kind_of([&] { RemoteExecutor second(connect(), 30.0); }, &why), ErrorKind::kIo);
+    EXPECT_NE(why.find("busy with another driver"), std::string::npos) << why;
+    EXPECT_EQ(first.length(seqs[0]), 20) << "the first driver lost its sequences to the second";
+  }
+  wait_for_drivers(1);
+  RemoteExecutor third(connect(), 30.0);
+  EXPECT_EQ(third.kv_usage().free, third.kv_usage().total) << "the first driver's blocks are still held";
+  std::vector<int32_t> seqs;
+  for (int64_t i = 0; i < third.limits().max_sequences; ++i) seqs.push_back(third.open());
+  third.run(prefill(seqs, 5));
+  worker.stop();
+  serving.join();
+  EXPECT_EQ(test::error_kind_of([&] { third.kv_usage(); }), ErrorKind::kIo) << "a stopped worker still answers";
+  ::close(listener);
+  std::lock_guard<std::mutex> lock(log_mu);
+  const auto has = [&](const std::string& text) {
+    for (const std::string& line : log)
+      if (line.find(text) != std::string::npos) return true;
+    return false;
+  };
+  EXPECT_TRUE(has("the 3 sequences it left open are closed"));
+  EXPECT_EQ(worker.drivers_served(), 2);
 }
 
 }  // namespace
