@@ -65,30 +65,39 @@ __device__ __forceinline__ void load_gate_up_rows(const uint4* g, const uint4* u
     if (c * 32 + lane >= chunks) gr[c] = ur[c] = make_uint4(0, 0, 0, 0);
 }
 
-// One act value from the loaded gate and up rows (block scales gsc, usc where W has them) and
-// the activation row xr: SiLU(gate . x) * (up . x), handed to store(value) on lane 0. Each chunk
-// of x is converted to f32 once for both rows (measured with the one-row FP8 items: qwen3-30b-a3b
-// decode, H100, batch 3 +3.5% in bf16 and +3.0% in FP8, batch 1 +1% in FP8).
-template <int C, typename W, typename Store>
-__device__ __forceinline__ void gate_up_act(const uint4 (&gr)[C], const uint4 (&ur)[C], const float* gsc,
-                                            const float* usc, const uint4* xr, int chunks, int lane, Store&& store) {
-  float gs = 0.f, us = 0.f;
+// R act values from R loaded gate rows and their up rows (block scales gsc[r], usc[r] where W
+// has them) and the activation row xr: SiLU(gate . x) * (up . x) for each, handed to
+// store(r, value) on lane 0. Each chunk of x is converted to f32 once for all 2R rows it meets
+// (measured with the one-row FP8 items: qwen3-30b-a3b decode, H100, batch 3 +3.5% in bf16 and
+// +3.0% in FP8, batch 1 +1% in FP8).
+template <int R, int C, typename W, typename Store>
+__device__ __forceinline__ void gate_up_act(const uint4 (&gr)[R][C], const uint4 (&ur)[R][C],
+                                            const float* const (&gsc)[R], const float* const (&usc)[R],
+                                            const uint4* xr, int chunks, int lane, Store&& store) {
+  float gs[R], us[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) gs[r] = us[r] = 0.f;
 #pragma unroll
   for (int c = 0; c < C; ++c) {
     const int idx = min(c * 32 + lane, chunks - 1);
     float xf[W::kValues];
     W::unpack_x(W::template load_x<true>(xr, idx), xf);
-    if constexpr (W::kScaled) {
-      gs += W::scale(gsc, idx) * W::dot_f32(gr[c], xf);
-      us += W::scale(usc, idx) * W::dot_f32(ur[c], xf);
-    } else {
-      gs += W::dot_f32(gr[c], xf);
-      us += W::dot_f32(ur[c], xf);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if constexpr (W::kScaled) {
+        gs[r] += W::scale(gsc[r], idx) * W::dot_f32(gr[r][c], xf);
+        us[r] += W::scale(usc[r], idx) * W::dot_f32(ur[r][c], xf);
+      } else {
+        gs[r] += W::dot_f32(gr[r][c], xf);
+        us[r] += W::dot_f32(ur[r][c], xf);
+      }
     }
   }
-  gs = warp_sum(gs);
-  us = warp_sum(us);
-  if (lane == 0) store(__float2bfloat16(gs / (1.f + __expf(-gs)) * us));
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float g = warp_sum(gs[r]), u = warp_sum(us[r]);
+    if (lane == 0) store(r, __float2bfloat16(g / (1.f + __expf(-g)) * u));
+  }
 }
 
 // The routed slots as one warp sees them, straight from the ids (lane s holds slot s's
@@ -177,15 +186,16 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) gate_up_kerne
   for (int item = blockIdx.x * kGemvWarps + threadIdx.x / 32; item < total;
        item += gridDim.x * kGemvWarps) {
     const int e = route.expert(item / inter), j = item % inter;
-    uint4 gr[C], ur[C];
+    uint4 gr[1][C], ur[1][C];
     const uint4* g = W::row(w_gate_up, e, 2 * inter, j, hidden);
     load_gate_up_rows(g, g + (size_t)inter * chunks, chunks, lane, [](const uint4* p) { return load_stream(p); },
-                      gr, ur);
-    const float* gsc = W::row_scales(scales, e, 2 * inter, j, hidden);
-    const float* usc = W::row_scales(scales, e, 2 * inter, inter + j, hidden);
+                      gr[0], ur[0]);
+    const float* const gsc[1] = {W::row_scales(scales, e, 2 * inter, j, hidden)};
+    const float* const usc[1] = {W::row_scales(scales, e, 2 * inter, inter + j, hidden)};
     route.for_slots(item / inter, e, [&](int s) {
       const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(s / top_k) * hidden);
-      gate_up_act<C, W>(gr, ur, gsc, usc, xr, chunks, lane, [&](__nv_bfloat16 v) { act[(size_t)s * inter + j] = v; });
+      gate_up_act<1, C, W>(gr, ur, gsc, usc, xr, chunks, lane,
+                           [&](int, __nv_bfloat16 v) { act[(size_t)s * inter + j] = v; });
     });
   }
 }
@@ -534,72 +544,101 @@ cudaError_t launch_direct(const ExpertBuffers& b, const void* x, const int* ids,
                      : launch_direct_with<Routing, W>(b, x, ids, weights, tokens, nullptr, stream);
 }
 
+// Down rows a warp of grouped_down_kernel takes: FP8 rows are half the bytes of bf16 ones, so two
+// a warp keep as many bytes in flight (qwen3-30b-a3b, the FP8 grouped GEMV, H100: M = 4 88.6 ->
+// 84.2 µs, 8: 144.7 -> 136.5, 16: 241 -> 223). gate_up keeps one row a warp: two FP8 rows, with
+// twice its 8 loads a lane, spilled 0.7 KB a thread at the 168-register cap.
+template <typename W>
+constexpr int grouped_rows() { return W::kScaled ? 2 : 1; }
+
 // The grouped kernels' grid: blockIdx.x indexes the touched experts (blocks past their count
-// exit), blockIdx.y a tile of kGroupedWarps weight rows, one per warp. Gives this warp's expert
-// and row, false where there is none.
+// exit), blockIdx.y a tile of kGroupedWarps * R weight rows, R per warp. Gives this warp's
+// expert and first row, false where there is none.
+template <int R>
 __device__ __forceinline__ bool grouped_item(const int* active, const int* num_active, int rows, int& e, int& row) {
   if (blockIdx.x >= *num_active) return false;
   e = active[blockIdx.x];
-  row = blockIdx.y * kGroupedWarps + threadIdx.x / 32;
+  row = (blockIdx.y * kGroupedWarps + threadIdx.x / 32) * R;
   return row < rows;
 }
 
-// gate_up: a warp per intermediate row.
+// gate_up: R intermediate rows a warp (rows past the end: the last one again, not stored); R is
+// 1 (grouped_rows).
 template <int C, typename W>  // 16-byte chunks of a weight row per lane
 __global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped_gate_up_kernel(
     const __nv_bfloat16* __restrict__ x, const void* __restrict__ w_gate_up, const float* __restrict__ scales,
     const int* __restrict__ offsets, const int* __restrict__ order, const int* __restrict__ active,
     const int* __restrict__ num_active, int hidden, int inter, int top_k,
     __nv_bfloat16* __restrict__ act) {
+  constexpr int R = 1;
   begin_dependent();  // the plan's
-  int e, j;
-  if (!grouped_item(active, num_active, inter, e, j)) return;
+  int e, j0;
+  if (!grouped_item<R>(active, num_active, inter, e, j0)) return;
   const int lane = threadIdx.x % 32;
   const int chunks = hidden / W::kValues;
-  const uint4* g = W::row(w_gate_up, e, 2 * inter, j, hidden);
-  const uint4* u = W::row(w_gate_up, e, 2 * inter, inter + j, hidden);
-  uint4 gr[C], ur[C];
-  load_gate_up_rows(g, u, chunks, lane, [](const uint4* p) { return __ldg(p); }, gr, ur);
-  const float* gsc = W::row_scales(scales, e, 2 * inter, j, hidden);
-  const float* usc = W::row_scales(scales, e, 2 * inter, inter + j, hidden);
+  uint4 gr[R][C], ur[R][C];
+  const float* gsc[R];
+  const float* usc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int j = min(j0 + r, inter - 1);
+    load_gate_up_rows(W::row(w_gate_up, e, 2 * inter, j, hidden), W::row(w_gate_up, e, 2 * inter, inter + j, hidden),
+                      chunks, lane, [](const uint4* p) { return __ldg(p); }, gr[r], ur[r]);
+    gsc[r] = W::row_scales(scales, e, 2 * inter, j, hidden);
+    usc[r] = W::row_scales(scales, e, 2 * inter, inter + j, hidden);
+  }
   for (int p = offsets[e]; p < offsets[e + 1]; ++p) {
     const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(order[p] / top_k) * hidden);
-    gate_up_act<C, W>(gr, ur, gsc, usc, xr, chunks, lane, [&](__nv_bfloat16 v) { act[(size_t)p * inter + j] = v; });
+    gate_up_act<R, C, W>(gr, ur, gsc, usc, xr, chunks, lane, [&](int r, __nv_bfloat16 v) {
+      if (j0 + r < inter) act[(size_t)p * inter + j0 + r] = v;
+    });
   }
 }
 
+// down: grouped_rows<W>() output rows a warp, like gate_up.
 template <int C, typename W>  // chunks of a down row per lane
 __global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped_down_kernel(
     const __nv_bfloat16* __restrict__ act, const void* __restrict__ w_down, const float* __restrict__ scales,
     const int* __restrict__ offsets, const int* __restrict__ order, const int* __restrict__ active,
     const int* __restrict__ num_active, const float* __restrict__ weights, int hidden, int inter,
     float* __restrict__ part) {
+  constexpr int R = grouped_rows<W>();
   begin_dependent();  // gate_up's act
-  int e, h;
-  if (!grouped_item(active, num_active, hidden, e, h)) return;
+  int e, h0;
+  if (!grouped_item<R>(active, num_active, hidden, e, h0)) return;
   const int lane = threadIdx.x % 32;
   const int chunks = inter / W::kValues;
-  const uint4* w = W::row(w_down, e, hidden, h, inter);
-  const float* sc = W::row_scales(scales, e, hidden, h, inter);
-  uint4 wr[C];
+  uint4 wr[R][C];
+  const float* sc[R];
 #pragma unroll
-  for (int c = 0; c < C; ++c) wr[c] = __ldg(w + min(c * 32 + lane, chunks - 1));
+  for (int r = 0; r < R; ++r) {
+    const int h = min(h0 + r, hidden - 1);
+    const uint4* w = W::row(w_down, e, hidden, h, inter);
+    sc[r] = W::row_scales(scales, e, hidden, h, inter);
 #pragma unroll
-  for (int c = 0; c < C; ++c)
-    if (c * 32 + lane >= chunks) wr[c] = make_uint4(0, 0, 0, 0);
+    for (int c = 0; c < C; ++c) wr[r][c] = __ldg(w + min(c * 32 + lane, chunks - 1));
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int c = 0; c < C; ++c)
+      if (c * 32 + lane >= chunks) wr[r][c] = make_uint4(0, 0, 0, 0);
   for (int p = offsets[e]; p < offsets[e + 1]; ++p) {
     const int slot = order[p];
     const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)p * inter);
-    float s = 0.f;
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int idx = min(c * 32 + lane, chunks - 1);
-      const float d = W::dot(wr[c], W::template load_x<true>(ar, idx));
-      if constexpr (W::kScaled) s += W::scale(sc, idx) * d;
-      else s += d;
+    for (int r = 0; r < R; ++r) {
+      float s = 0.f;
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        const int idx = min(c * 32 + lane, chunks - 1);
+        const float d = W::dot(wr[r][c], W::template load_x<true>(ar, idx));
+        if constexpr (W::kScaled) s += W::scale(sc[r], idx) * d;
+        else s += d;
+      }
+      s = warp_sum(s);
+      if (lane == 0 && h0 + r < hidden) part[(size_t)slot * hidden + h0 + r] = weights[slot] * s;
     }
-    s = warp_sum(s);
-    if (lane == 0) part[(size_t)slot * hidden + h] = weights[slot] * s;
   }
 }
 
@@ -629,8 +668,9 @@ cudaError_t launch_grouped(const ExpertBuffers& b, const void* x, const float* w
   const int max_active = b.experts < slots ? b.experts : slots;
   const auto* xb = static_cast<const __nv_bfloat16*>(x);
   auto* act = static_cast<__nv_bfloat16*>(b.act);
+  const int down_tile = kGroupedWarps * grouped_rows<W>();
   const dim3 gate_up_grid(max_active, (b.inter + kGroupedWarps - 1) / kGroupedWarps);
-  const dim3 down_grid(max_active, (b.hidden + kGroupedWarps - 1) / kGroupedWarps);
+  const dim3 down_grid(max_active, (b.hidden + down_tile - 1) / down_tile);
   with_chunks<W>(b.hidden / W::kValues, [&](auto c) {
     launch_grouped_gate_up<decltype(c)::value, W>(gate_up_grid, stream, xb, b, act);
     return cudaSuccess;

@@ -185,7 +185,9 @@ inline bool prefer_gemv(int64_t tokens, int64_t top_k, int64_t experts) {
 // costs a larger share, and past the direct form the GEMM wins. Measured (moe-bench layer
 // --device cuda --preset qwen3-30b-a3b --dtype fp8, H100, 2026-11-26), µs, GEMV vs wgmma: M = 1
 // 25.6 vs 38.9, 2: 42.6 vs 55.6, 3 (24 slots): 56.9 vs 77.2; M = 4 (32 slots, the grouped GEMV)
-// 88.5 vs 83.3, 6: 117.9 vs 103.0, 8: 144.7 vs 122.5, 16: 240.8 vs 169.0.
+// 88.5 vs 83.3, 6: 117.9 vs 103.0, 8: 144.7 vs 122.5, 16: 240.8 vs 169.0. With two FP8 down rows
+// a warp in the grouped GEMV (2026-11-27): M = 4 84.1-84.4 vs 82.9-83.1, 8: 136.0-136.9 vs 122.4-
+// 122.5, 16: 222.9 vs 168.7-168.8; still the GEMM.
 inline bool prefer_gemv_fp8(int64_t tokens, int64_t top_k, int64_t experts) {
   return tokens * top_k <= kGemvDirectMaxSlots && prefer_gemv(tokens, top_k, experts);
 }
