@@ -23,9 +23,12 @@ constexpr int kTileQ = 64;
 constexpr int kTileK = 64;
 
 // grid: x = tile slot (counted from the back, so the longest causal tiles start first),
-// y = query head.
+// y = query head. Three blocks a multiprocessor: left to itself ptxas took 169 registers at D =
+// 128, which fits two (8 warps); capped at 168 it spills 64 bytes, and a 2048-token prefill's
+// attention fell 16.8 -> 14.7 ms (qwen3-30b-a3b, H100; the prefill +4-5% in bf16 and FP8,
+// bench/gpu_fp8_h100.md).
 template <int D>
-__global__ void __launch_bounds__(kThreads) tiled_attention_kernel(const PagedAttentionParams p) {
+__global__ void __launch_bounds__(kThreads, 3) tiled_attention_kernel(const PagedAttentionParams p) {
   constexpr int kStride = D + 8;  // bf16 elements per shared row
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   __shared__ __align__(16) uint16_t s_k[kTileK * kStride];
