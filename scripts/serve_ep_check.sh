@@ -4,7 +4,8 @@
 # of 4 tokens, so that the prompt is prefilled in chunks), on the bundled tiny model: each must
 # serve a streamed greedy completion (chunks, then [DONE]) whose text equals the one-GPU server's.
 # Last, the two-GPU data-parallel executor in a worker process (--serve-executor) driven by two
-# servers in turn over TCP (--executor), then stopped with SIGTERM. Prints one line per case; exit status 0 only when every one passed.
+# servers in turn over TCP (--executor), then stopped with SIGTERM. Prints one line per case;
+# exit status 0 only when every one passed.
 #
 #   scripts/serve_ep_check.sh [BIN_DIR]      BIN_DIR holds moe-server (default build/release)
 set -u

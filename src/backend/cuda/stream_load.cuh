@@ -1,6 +1,7 @@
-// The 16-byte (and 8-byte) weight loads of the GEMV kernels (gemv.cu, moe_decode.cu). Weights are read once
-// per forward: no L1 allocation (x and the activations stay there), 256-byte L2 fetches (a warp
-// reads whole rows, so the extra sectors are always used). Device code, CUDA headers only.
+// The 16-byte (and 8-byte) weight loads of the GEMV kernels (gemv.cu, moe_decode.cu). Weights
+// are read once per forward: no L1 allocation (x and the activations stay there), 256-byte L2
+// fetches (a warp reads whole rows, so the extra sectors are always used). Device code, CUDA
+// headers only.
 #pragma once
 
 #include <cuda_runtime.h>
