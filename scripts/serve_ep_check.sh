@@ -3,6 +3,8 @@
 # (--dp 2) over every backend that exchanges each GPU's own tokens (once more with a step budget
 # of 4 tokens, so that the prompt is prefilled in chunks), on the bundled tiny model: each must
 # serve a streamed greedy completion (chunks, then [DONE]) whose text equals the one-GPU server's.
+# With four GPUs or more, also two attention groups of two GPUs (--dp 2 --tp 2 --ep 4) over the
+# same backends.
 # Last, the two-GPU data-parallel executor in a worker process (--serve-executor) driven by two
 # servers in turn over TCP (--executor), then stopped with SIGTERM. Prints one line per case;
 # exit status 0 only when every one passed.
@@ -78,12 +80,20 @@ serve one_gpu --device cuda || { echo "FAIL the one-GPU server: no completion"; 
 echo "one GPU: $(tr '\n' ' ' < "$work/one_gpu")"
 # Every backend with replicated attention, then data-parallel attention (--dp 2: each GPU serves
 # its own requests with its own cache) over every backend that exchanges each GPU's own tokens.
-for run in local_allreduce allgather_reducescatter alltoall_padded alltoall_packed p2p \
-           dp:allgather_reducescatter dp:alltoall_padded dp:alltoall_packed dp:p2p dp4:alltoall_packed; do
+runs=(local_allreduce allgather_reducescatter alltoall_padded alltoall_packed p2p
+      dp:allgather_reducescatter dp:alltoall_padded dp:alltoall_packed dp:p2p dp4:alltoall_packed)
+if [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 4 ]; then
+  runs+=(groups:allgather_reducescatter groups:alltoall_padded groups:alltoall_packed groups:p2p groups4:p2p)
+fi
+for run in "${runs[@]}"; do
   backend=${run#*:}
+  kind=${run%%:*}
   flags=(--device cuda --ep 2 --ep-backend "$backend")
-  [ "$run" != "$backend" ] && flags+=(--dp 2)
-  [ "${run%%:*}" = dp4 ] && flags+=(--max-batch 4 --max-step-tokens 4)
+  case $kind in
+    dp | dp4) flags+=(--dp 2) ;;
+    groups | groups4) flags=(--device cuda --ep 4 --dp 2 --tp 2 --ep-backend "$backend") ;;
+  esac
+  case $kind in dp4 | groups4) flags+=(--max-batch 4 --max-step-tokens 4) ;; esac
   name=${run/:/_}
   if ! serve "$name" "${flags[@]}"; then
     echo "FAIL ${flags[*]}: no streamed completion"

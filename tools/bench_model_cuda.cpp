@@ -53,8 +53,8 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   eo.ep = a.ep;
   eo.ep_backend = backend;
   eo.dp = a.dp;
-  const int ranks = cuda::engine_ranks(a.tp, a.ep);
-  // Under dp max_batch is per GPU, and open() spreads the batch evenly.
+  const int ranks = cuda::engine_ranks(a.tp, a.ep, a.dp);
+  // Under dp max_batch is per attention group, and open() spreads the batch evenly.
   eo.max_batch = (*std::max_element(batches.begin(), batches.end()) + a.dp - 1) / a.dp;
   eo.max_context = std::max(a.input_len + a.output_len + 2, a.prefill_len);
   eo.max_step_tokens = std::min(std::max(a.input_len, a.prefill_len), 8192);
@@ -66,7 +66,9 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
             a.tp, a.ep, ranks, devices.size());
   const std::string device_name = devices.at(0).name;
   std::string where = ranks > 1 ? std::to_string(ranks) + " x " + device_name : device_name;
-  if (a.dp > 1) where += ", data-parallel attention";
+  if (a.dp > 1)
+    where += ", data-parallel attention (" + std::to_string(a.dp) + " groups of " + std::to_string(a.tp) + " GPU" +
+             (a.tp > 1 ? "s)" : ")");
   // The ceilings of the floors, measured on this device before the model takes its memory.
   const double kCopyBytesPerS = measure_copy_bandwidth(eo.device);
   const double kBf16FlopsPerS = measure_bf16_matmul_rate(eo.device);

@@ -66,11 +66,12 @@ void add_parallel_flags(CLI::App* app, const ParallelFlags& flags) {
   app->add_option("--ep", *flags.ep, "expert-parallel ranks holding 1/ep of the routed experts each: threads on "
                                      "the CPU, GPUs with --device cuda")
       ->check(CLI::PositiveNumber)->capture_default_str();
-  app->add_option("--tp", *flags.tp, "cuda: tensor-parallel attention over the --ep GPUs (1 or the --ep value)")
+  app->add_option("--tp", *flags.tp, "cuda: tensor-parallel attention over the --ep GPUs (1 or the --ep value), or under --dp over "
+                                     "each attention group's GPUs (--dp x --tp = --ep)")
       ->check(CLI::PositiveNumber)->capture_default_str();
   app->add_option("--dp", *flags.dp,
-                  "cuda: data-parallel attention, each of the --ep GPUs running attention for its own sequences "
-                  "with its own KV cache (--dp N --ep N with an exchanging --ep-backend)")
+                  "cuda: data-parallel attention, --dp groups of --tp GPUs each running attention for its own "
+                  "sequences with its own KV cache (--dp x --tp = --ep, with an exchanging --ep-backend)")
       ->check(CLI::PositiveNumber)->capture_default_str();
   app->add_option("--ep-backend", *flags.ep_backend,
                   "how tokens reach the experts of other ranks: local_allreduce | allgather_reducescatter | "

@@ -53,41 +53,50 @@ struct EngineOptions {
   // graphs, with the next norm folded in); the others exchange rows through NCCL collectives
   // (allgather_reducescatter, alltoall_padded, alltoall_packed: decode then runs eagerly, as
   // their host-driven exchanges cannot be captured) or peer writes (p2p, captured). tp (1 or
-  // ep): each GPU also holds 1/tp of the attention heads (key/value heads replicated when there
-  // are fewer than tp), and the output projection's partial sums go through the peer all-reduce.
+  // ep, or ep / dp under dp): each GPU also holds 1/tp of the attention heads (key/value heads
+  // replicated when there are fewer than tp), and the output projection's partial sums go
+  // through the peer all-reduce of its tp GPUs.
   int tp = 1, ep = 1;
   dist::EpBackend ep_backend = dist::EpBackend::kLocalAllreduce;
-  // Data-parallel attention (dp = ep, tp 1): each GPU runs attention and sampling for its own
-  // sequences with its own KV cache (a sequence lives on the GPU that open() placed it on: the
-  // one with the fewest open sequences), and the routed experts exchange each GPU's own rows
-  // (ep_backend allgather_reducescatter, alltoall_padded, alltoall_packed or p2p). Every GPU
-  // runs each step on the same number of rows, padding where its sequences have fewer. max_batch
-  // and the KV blocks are per GPU.
+  // Data-parallel attention (dp × tp = ep): the GPUs form dp attention groups of tp
+  // consecutive GPUs, and each group runs attention and sampling for its own sequences with its
+  // own KV cache (a sequence lives in the group that open() placed it in: the one with the
+  // fewest open sequences), its heads split over its tp GPUs. The routed experts exchange each
+  // GPU's own rows (ep_backend allgather_reducescatter, alltoall_padded, alltoall_packed or p2p):
+  // with tp > 1 each GPU of a group exchanges 1/tp of the group's rows, and the group's peer
+  // all-reduce gives all of them back to every GPU of the group. Every group runs each step on
+  // the same number of rows (a multiple of tp), padding where its sequences have fewer.
+  // max_batch and the KV blocks are per group.
   int dp = 1;
 };
 
-// The GPUs an engine with these parallel degrees runs on; throws for degrees it cannot combine.
-inline int engine_ranks(int tp, int ep) {
+// The GPUs an engine with these parallel degrees runs on (ep: every GPU holds a block of the
+// routed experts); throws, in one line, for degrees it cannot combine. Without dp, attention runs
+// whole on every GPU (tp 1) or split over all of them (tp = ep); under dp each attention group's
+// tp GPUs split it, and dp × tp must be the GPUs.
+inline int engine_ranks(int tp, int ep, int dp = 1) {
   MOE_CHECK(tp >= 1 && ep >= 1, kInvalidArgument, "--tp {} and --ep {} must be at least 1", tp, ep);
+  MOE_CHECK(dp >= 1, kInvalidArgument, "--dp {} must be at least 1", dp);
+  if (dp > 1) {
+    MOE_CHECK(dp * tp == ep, kInvalidArgument,
+              "--dp {} --tp {} --ep {}: dp × tp must equal the GPUs, which --ep sets (--dp {} --tp {} --ep {})", dp,
+              tp, ep, dp, tp, dp * tp);
+    return ep;
+  }
   MOE_CHECK(tp == 1 || tp == ep, kUnsupported,
-            "--tp {} --ep {}: tensor-parallel attention runs over the expert-parallel GPUs (--tp N --ep N) "
-            "or not at all (--tp 1)",
+            "--tp {} --ep {}: tensor-parallel attention runs over the expert-parallel GPUs (--tp N --ep N), "
+            "within data-parallel groups (--dp D --tp T --ep D×T) or not at all (--tp 1)",
             tp, ep);
   return ep;
 }
 
 // Checks data-parallel attention against the other degrees and the backend (kUnsupported or
-// kInvalidArgument, one line), before anything is loaded: dp × tp must be the GPUs (ep), tp 1,
-// and the backend must exchange each GPU's own tokens.
+// kInvalidArgument, one line), before anything is loaded: dp × tp must be the GPUs (ep), and
+// the backend must exchange each GPU's own tokens.
 inline void check_engine_dp(int dp, int tp, int ep, dist::EpBackend backend) {
   MOE_CHECK(dp >= 1, kInvalidArgument, "--dp {} must be at least 1", dp);
   if (dp == 1) return;
-  MOE_CHECK(tp == 1, kUnsupported,
-            "--dp {} --tp {}: data-parallel attention runs whole on each GPU (--tp 1); tensor-parallel "
-            "groups under dp are not implemented",
-            dp, tp);
-  MOE_CHECK(dp == ep, kInvalidArgument,
-            "--dp {} --ep {}: dp × tp must equal the GPUs, which --ep sets (--dp {} --ep {})", dp, ep, ep, ep);
+  engine_ranks(tp, ep, dp);
   MOE_CHECK(dist::ep_backend_traits(backend).runs_data_parallel(), kInvalidArgument,
             "--dp {} --ep-backend {}: each GPU's own tokens must reach the experts through an exchange; "
             "use allgather_reducescatter, alltoall_padded, alltoall_packed or p2p",
@@ -113,8 +122,8 @@ struct MemoryReport {
   size_t workspace = 0;  // activations of the largest step, expert and attention scratch, cuBLASLt
   size_t graph_outputs = 0;  // logits and token buffers each decode graph owns
   // kv_blocks counts the scratch block that padding rows of a graph write to, which is never
-  // free: kv_blocks_free is at most kv_blocks - 1 (kv_blocks - dp under dp, where every GPU has
-  // its own cache and scratch block).
+  // free: kv_blocks_free is at most kv_blocks - 1 (kv_blocks - dp under dp, where every
+  // attention group has its own cache and scratch block).
   int64_t kv_blocks = 0, kv_blocks_free = 0;
   int64_t kv_blocks_cached = 0;  // full blocks findable for prefix reuse (in use or free)
 };
@@ -140,8 +149,8 @@ class Engine final : public runtime::Executor {
   const ModelConfig& config() const;
   const EngineOptions& options() const;
 
-  // The executor (runtime/executor.h): at most max_batch sequences (per GPU under dp, one
-  // attention group each); the blocks exclude the scratch block that padding rows of a graph
+  // The executor (runtime/executor.h): at most max_batch sequences (per attention group under
+  // dp); the blocks exclude the scratch block that padding rows of a graph
   // write to.
   const runtime::ExecutorLimits& limits() const override;
   // A new empty sequence; throws kInvalidArgument when max_batch sequences are open.
@@ -160,7 +169,7 @@ class Engine final : public runtime::Executor {
   runtime::KvUsage group_kv_usage(int group) const override;
   // One step: the rows of one token after a cached prefix that want no logits run as one batched
   // decode (from the bucket's graph), then each other row as a prefill (under dp, one prefill of
-  // each GPU at a time, in lockstep chunks); each row draws with its own draw index.
+  // each attention group at a time, in lockstep chunks); each row draws with its own draw index.
   runtime::StepResult run(const runtime::StepPlan& plan) override;
 
   // Runs `ids` after the sequence's cached tokens and samples its next token on the device.

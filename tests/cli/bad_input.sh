@@ -119,7 +119,7 @@ expect cuda_unknown_ep_backend "valid names: local_allreduce" -- "$cli" logits -
 expect dp_on_cpu "--dp 2: data-parallel attention runs on GPUs only" -- "$cli" logits -m "$fixture" --ids 1 --dp 2
 expect cuda_dp_through_allreduce "use allgather_reducescatter, alltoall_padded, alltoall_packed or p2p" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2 --dp 2
 expect cuda_dp_not_every_gpu "must equal the GPUs, which --ep sets" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 4 --dp 2 --ep-backend p2p
-expect cuda_dp_with_tp "runs whole on each GPU \(--tp 1\)" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2 --tp 2 --dp 2 --ep-backend alltoall_packed
+expect cuda_dp_groups_not_every_gpu "--dp 2 --tp 2 --ep 2: dp × tp must equal the GPUs" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2 --tp 2 --dp 2 --ep-backend alltoall_packed
 if ! nvidia-smi -L >/dev/null 2>&1; then
   expect cuda_ep_needs_gpus "needs 2 GPUs from device 0; this machine has 0|no CUDA backend" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2
 fi

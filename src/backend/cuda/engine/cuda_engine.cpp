@@ -1,7 +1,8 @@
-// The engine as an executor: loading every rank, the sequence table over one block allocator,
-// and the steps. A plan's rows become step metadata (token ids, positions, cache slots, block
-// tables, sampling) written into rank 0's pinned mirror and run by every rank in lockstep; the
-// forward itself is engine::Rank's (engine_rank.h), which knows nothing of sequences.
+// The engine as an executor: loading every rank, the sequence table over one block allocator
+// per attention group, and the steps. A plan's rows become step metadata (token ids, positions,
+// cache slots, block tables, sampling) written into the pinned mirror of each group's first rank
+// and run by every rank in lockstep; the forward itself is engine::Rank's (engine_rank.h),
+// which knows nothing of sequences.
 #include "backend/cuda_engine.h"
 
 #include <algorithm>
@@ -25,10 +26,12 @@ namespace moe::cuda {
 using engine::Rank;
 
 struct Engine::State {
-  // Rank r on device opts.device + r; rank 0's step metadata mirror is the one the host writes,
-  // except under dp, where each rank's mirror holds its own sequences' rows.
+  // Rank r on device opts.device + r; the host writes the step metadata mirror of each attention
+  // group's first rank (rank 0 without dp), and the group's other ranks copy it.
   std::vector<std::unique_ptr<Rank>> ranks;
-  std::unique_ptr<PeerAllReduce> allreduce;  // sums the ranks' partial outputs (tp, local_allreduce)
+  // Sum the ranks' partial outputs (tp, local_allreduce): one over all the GPUs, or under dp
+  // with tp > 1 one per attention group.
+  std::vector<std::unique_ptr<PeerAllReduce>> allreduces;
   // The expert-parallel exchange of the other backends: NCCL endpoints (rank r's at r) or the
   // p2p exchange.
   std::unique_ptr<NcclGroup> nccl;
@@ -42,10 +45,11 @@ struct Engine::State {
     std::unique_ptr<BlockAllocator> blocks;
     std::unique_ptr<SequenceTable> table;
   };
-  // One group that every rank's pools hold alike, or under dp one per rank, whose sequence ids
-  // are g, g + dp, g + 2 dp, ... (the id names its group).
+  // One group that every rank's pools hold alike, or under dp one per attention group (tp
+  // consecutive ranks), whose sequence ids are g, g + dp, g + 2 dp, ... (the id names its group).
   std::vector<Group> groups;
   bool dp = false;
+  int group_size = 1;  // ranks per group
   runtime::ExecutorLimits limits;
 
   ~State() {
@@ -53,7 +57,7 @@ struct Engine::State {
     // and rank 0 last.
     threads.reset();
     for (size_t r = 1; r < ranks.size(); ++r) ranks[r].reset();
-    allreduce.reset();
+    allreduces.clear();
     p2p.reset();
     comms.clear();
     nccl.reset();
@@ -82,8 +86,14 @@ struct Engine::State {
   const SequenceTable& table(int32_t seq) const { return *groups[static_cast<size_t>(group_of(seq))].table; }
   int64_t free_blocks(int group) const { return groups[static_cast<size_t>(group)].blocks->free_blocks(); }
   // The rank whose metadata mirror holds group g's rows, and the mirror rank x uploads.
-  Rank& writer(int group) { return *ranks[static_cast<size_t>(dp ? group : 0)]; }
-  const Rank& source_of(const Rank& x) const { return dp ? x : first(); }
+  Rank& writer(int group) { return *ranks[static_cast<size_t>(group * group_size)]; }
+  const Rank& source_of(const Rank& x) const { return *ranks[static_cast<size_t>(x.group * group_size)]; }
+  // Group g's GPUs, for messages: "" with one group, else " on GPU d" or " on GPUs d-e".
+  std::string where(int g) const {
+    if (!dp) return "";
+    const int d = first().opts.device + g * group_size;
+    return group_size == 1 ? fmt::format(" on GPU {}", d) : fmt::format(" on GPUs {}-{}", d, d + group_size - 1);
+  }
 };
 
 Engine::Engine() : s_(std::make_unique<State>()) {}
@@ -107,9 +117,9 @@ EngineOptions checked_options(const ModelConfig& mc, const EngineOptions& option
             "max context {} exceeds the model's max_position_embeddings {}", o.max_context,
             mc.max_position_embeddings);
   MOE_CHECK(o.max_step_tokens >= 1, kInvalidArgument, "max step tokens must be >= 1");
-  const int ranks = engine_ranks(o.tp, o.ep);
+  const int ranks = engine_ranks(o.tp, o.ep, o.dp);
   check_engine_dp(o.dp, o.tp, o.ep, o.ep_backend);
-  check_parallel_supported(mc, ranks, o.tp > 1);
+  check_parallel_supported(mc, ranks, o.tp);
   const char* backend = dist::ep_backend_name(o.ep_backend);
   MOE_CHECK(o.ep_backend != dist::EpBackend::kDeepep, kUnsupported, "--ep-backend deepep: this build has no DeepEP kernels");
   MOE_CHECK(ranks > 1 || o.ep_backend == dist::EpBackend::kLocalAllreduce, kInvalidArgument,
@@ -142,18 +152,24 @@ std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions
   ModelConfig mc = load_model_config(dir);
   check_cuda_supported(mc);
   const EngineOptions o = checked_options(mc, options);
-  const int ranks = engine_ranks(o.tp, o.ep);
+  const int ranks = engine_ranks(o.tp, o.ep, o.dp);
   const int64_t max_tokens = engine::step_rows(o);
   std::unique_ptr<Engine> engine(new Engine());
   State& s = *engine->s_;
+  s.dp = o.dp > 1;
+  s.group_size = s.dp ? ranks / o.dp : ranks;
   if (ranks > 1) {
     std::vector<int> devices;
     for (int r = 0; r < ranks; ++r) devices.push_back(o.device + r);
     const dist::EpBackendTraits& traits = dist::ep_backend_traits(o.ep_backend);
     if (o.tp > 1 || !traits.reduced_output)
-      s.allreduce = std::make_unique<PeerAllReduce>(devices, max_tokens * mc.hidden_size);
+      for (int first = 0; first < ranks; first += s.group_size)
+        s.allreduces.push_back(std::make_unique<PeerAllReduce>(
+            std::vector<int>(devices.begin() + first, devices.begin() + first + s.group_size),
+            max_tokens * mc.hidden_size));
     if (o.ep_backend == dist::EpBackend::kP2p) {
-      s.p2p = std::make_unique<P2pExchange>(devices, mc.hidden_size, mc.moe.top_k, max_tokens, 10.0, o.dp > 1);
+      s.p2p = std::make_unique<P2pExchange>(devices, mc.hidden_size, mc.moe.top_k, engine::exchange_rows(o), 10.0,
+                                            o.dp > 1);
     } else if (traits.reduced_output) {
       s.nccl = std::make_unique<NcclGroup>(devices);
       for (int r = 0; r < ranks; ++r) s.comms.push_back(s.nccl->communicator(r));
@@ -161,7 +177,8 @@ std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions
   }
   for (int r = 0; r < ranks; ++r) {
     engine::EpLink link{s.comms.empty() ? nullptr : s.comms[static_cast<size_t>(r)].get(), s.p2p.get()};
-    s.ranks.push_back(std::make_unique<Rank>(mc, o, r, ranks, s.allreduce.get(), link));
+    const PeerAllReduce* sum = s.allreduces.empty() ? nullptr : s.allreduces[static_cast<size_t>(r / s.group_size)].get();
+    s.ranks.push_back(std::make_unique<Rank>(mc, o, r, ranks, sum, link));
   }
   if (ranks > 1) s.threads = std::make_unique<RankThreads>(ranks);
   // Every rank loads its share at once; then the KV cache takes the same number of blocks on
@@ -177,8 +194,7 @@ std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions
   MOE_CHECK(blocks >= 2, kInvalidArgument, "GPU memory: no room for the KV cache ({} blocks)", blocks);
   s.each_rank([&](Rank& x) { x.allocate_kv(blocks); });
   if (o.record_routing) s.first().allocate_routing_log();
-  s.dp = o.dp > 1;
-  const int groups = s.dp ? ranks : 1;
+  const int groups = s.dp ? o.dp : 1;
   s.groups.resize(static_cast<size_t>(groups));
   for (int g = 0; g < groups; ++g) {
     State::Group& x = s.groups[static_cast<size_t>(g)];
@@ -191,8 +207,8 @@ std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions
 }
 
 const runtime::ExecutorLimits& Engine::limits() const { return s_->limits; }
-// Under dp, a new sequence goes to the rank with the fewest open sequences, then the most free
-// blocks: the ranks' steps are padded to the fullest one, so even rows waste least.
+// Under dp, a new sequence goes to the attention group with the fewest open sequences, then the
+// most free blocks: the groups' steps are padded to the fullest one, so even rows waste least.
 int32_t Engine::open() {
   State& s = *s_;
   size_t best = 0;
@@ -305,10 +321,11 @@ void run_prefills(State& s, std::vector<Prefill>& jobs, OpProfile* profile) {
       rows = std::max(rows, k.rows);
     }
     if (rows == 0) break;
+    rows = engine::round_to_unit(rows, o);  // each GPU of a dp group exchanges an equal share
     for (size_t g = 0; g < groups; ++g) {
       Chunk& k = chunk[g];
       Rank& w = s.writer(static_cast<int>(g));
-      if (k.rows == 0) {  // an idle rank under dp: padding only
+      if (k.rows == 0) {  // an idle group under dp: padding only
         w.pad_segment(0, 0, rows);
         k.context = rows;
         continue;
@@ -330,7 +347,7 @@ void run_prefills(State& s, std::vector<Prefill>& jobs, OpProfile* profile) {
     }
     s.each_rank([&](Rank& x) {
       x.upload_meta_from(s.source_of(x));
-      const Chunk& k = chunk[s.dp ? static_cast<size_t>(x.rank) : 0];
+      const Chunk& k = chunk[static_cast<size_t>(x.group)];
       x.eager_step(rows, k.segments, k.rows, k.context, k.logits, k.last);
     });
     for (size_t g = 0; g < groups; ++g) {
@@ -354,7 +371,8 @@ void run_prefills(State& s, std::vector<Prefill>& jobs, OpProfile* profile) {
 }
 
 // One decode step of sequences `seqs`, each taking one token and drawing its next as draw
-// number draws[i]. Under dp each rank runs its own sequences' rows, all padded to one bucket.
+// number draws[i]. Under dp each attention group runs its own sequences' rows, all padded to one
+// bucket.
 std::vector<int32_t> run_decode(State& s, std::span<const int32_t> seqs, std::span<const int32_t> tokens,
                                 std::span<const SamplingParams> params, std::span<const int64_t> draws,
                                 OpProfile* profile) {
@@ -387,7 +405,7 @@ std::vector<int32_t> run_decode(State& s, std::span<const int32_t> seqs, std::sp
   for (size_t g = 0; g < groups; ++g)
     MOE_CHECK(blocks[g] <= s.free_blocks(static_cast<int>(g)), kInvalidArgument,
               "KV cache full: {} more blocks needed, {} free{}", blocks[g], s.free_blocks(static_cast<int>(g)),
-              s.dp ? fmt::format(" on GPU {}", o.device + static_cast<int>(g)) : "");
+              s.where(static_cast<int>(g)));
   const int bucket = s0.bucket_for(*std::max_element(rows.begin(), rows.end()));
   for (int64_t i = 0; i < b; ++i) s.table(seqs[static_cast<size_t>(i)]).reserve(seqs[static_cast<size_t>(i)], 1);
   // The bucket's graph first: capturing it (on first use) runs on padding metadata, so the real
@@ -411,7 +429,7 @@ std::vector<int32_t> run_decode(State& s, std::span<const int32_t> seqs, std::sp
       use_graph ? engine::DecodeRun::kGraph : profile ? engine::DecodeRun::kProfiled : engine::DecodeRun::kEager;
   std::vector<std::vector<int32_t>> drawn(groups, std::vector<int32_t>(static_cast<size_t>(bucket)));
   s.each_rank([&](Rank& x) {
-    const size_t g = s.dp ? static_cast<size_t>(x.rank) : 0;
+    const size_t g = static_cast<size_t>(x.group);
     x.upload_meta_from(s.source_of(x));
     x.decode_step(rows[g], bucket, how, drawn[g].data());
   });
@@ -470,7 +488,7 @@ runtime::StepResult Engine::run(const runtime::StepPlan& plan) {
   for (size_t g = 0; g < need.size(); ++g)
     MOE_CHECK(need[g] <= s.free_blocks(static_cast<int>(g)), kInvalidArgument,
               "KV cache full: {} more blocks needed, {} free{}", need[g], s.free_blocks(static_cast<int>(g)),
-              s.dp ? fmt::format(" on GPU {}", s.first().opts.device + static_cast<int>(g)) : "");
+              s.where(static_cast<int>(g)));
   runtime::StepResult out;
   out.tokens.assign(plan.rows.size(), -1);
   out.logits.resize(plan.rows.size());
@@ -516,9 +534,9 @@ MemoryReport Engine::memory() const {
   const State& s = *s_;
   MemoryReport r;
   for (const auto& x : s.ranks) x->count_memory(&r);
-  if (s.allreduce) r.workspace += s.allreduce->bytes_per_rank() * s.ranks.size();
+  for (const auto& a : s.allreduces) r.workspace += a->bytes_per_rank() * static_cast<size_t>(a->ranks());
   if (s.p2p) r.workspace += s.p2p->bytes_per_rank() * s.ranks.size();
-  // One cache per group: every rank's pools together, or each rank's own under dp.
+  // One cache per group: every rank's pools together, or each attention group's under dp.
   const int64_t groups = static_cast<int64_t>(s.groups.size());
   const runtime::KvUsage u = kv_usage();
   r.kv_blocks = s.first().kv_blocks * groups;

@@ -58,7 +58,7 @@ void check_cuda_supported(const ModelConfig& mc) {
             "{}: head_dim {} is not supported on CUDA (even, at most 256)", mc.architecture, mc.head_dim);
 }
 
-void check_parallel_supported(const ModelConfig& mc, int ranks, bool tp) {
+void check_parallel_supported(const ModelConfig& mc, int ranks, int tp) {
   MOE_CHECK(ranks >= 1, kInvalidArgument, "the number of GPUs must be at least 1, got {}", ranks);
   if (ranks == 1) return;
   MOE_CHECK(mc.num_moe_layers() > 0, kInvalidArgument,
@@ -66,15 +66,15 @@ void check_parallel_supported(const ModelConfig& mc, int ranks, bool tp) {
             ranks, mc.architecture);
   MOE_CHECK(mc.moe.num_experts >= ranks, kInvalidArgument, "ep {} is larger than the number of experts {}",
             ranks, mc.moe.num_experts);
-  if (!tp) return;
+  if (tp <= 1) return;
   MOE_CHECK(mc.qk_norm != QkNorm::kFull, kUnsupported,
             "{}: its q/k norm spans every head, which tensor-parallel attention cannot split; use --tp 1",
             mc.architecture);
-  MOE_CHECK(mc.num_heads % ranks == 0 && (mc.num_kv_heads % ranks == 0 || ranks % mc.num_kv_heads == 0),
+  MOE_CHECK(mc.num_heads % tp == 0 && (mc.num_kv_heads % tp == 0 || tp % mc.num_kv_heads == 0),
             kUnsupported,
             "tp {}: {} attention heads and {} key/value heads do not split over {} GPUs (the heads must "
             "divide evenly; key/value heads divide or are replicated)",
-            ranks, mc.num_heads, mc.num_kv_heads, ranks);
+            tp, mc.num_heads, mc.num_kv_heads, tp);
 }
 
 std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const ModelConfig& mc,
@@ -90,14 +90,15 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     first_expert = placement.first_expert();
     local_experts = placement.num_local();
   }
-  const bool split_heads = opts.tp && opts.ranks > 1;
-  const int64_t q_heads = split_heads ? mc.num_heads / opts.ranks : mc.num_heads;
+  const bool split_heads = opts.tp > 1;
+  const int64_t share = opts.rank % opts.tp;  // of the heads of this rank's attention group
+  const int64_t q_heads = split_heads ? mc.num_heads / opts.tp : mc.num_heads;
   const int64_t kv_heads = !split_heads ? mc.num_kv_heads
-                           : mc.num_kv_heads >= opts.ranks ? mc.num_kv_heads / opts.ranks : 1;
-  const int64_t q_first = split_heads ? opts.rank * q_heads : 0;
+                           : mc.num_kv_heads >= opts.tp ? mc.num_kv_heads / opts.tp : 1;
+  const int64_t q_first = split_heads ? share * q_heads : 0;
   // A rank's key/value heads: its share, or the one head its query heads are grouped on.
   const int64_t kv_first = !split_heads ? 0
-                           : mc.num_kv_heads >= opts.ranks ? opts.rank * kv_heads
+                           : mc.num_kv_heads >= opts.tp ? share * kv_heads
                                                            : q_first / (mc.num_heads / mc.num_kv_heads);
   // Size the layout from the state-dict keys: every allocation is at most 63 bytes of padding.
   const auto keys = state_dict_keys(mc, selection);

@@ -67,16 +67,16 @@ struct DeviceLoad {
   bool progress = false;
   int64_t max_tokens = 0;  // largest step, for the experts' path choice
   // Rank `rank` of `ranks` GPUs holds its block of every layer's routed experts (ExpertPlacement)
-  // and, with `tp`, its share of the attention heads: num_heads / ranks query heads and the
-  // key/value heads they read (their own share, or one head when there are fewer than ranks).
+  // and, with tp > 1, share rank % tp of the attention heads of its group of tp GPUs:
+  // num_heads / tp query heads and the key/value heads they read (their own share, or one head
+  // when there are fewer than tp).
   int rank = 0, ranks = 1;
-  bool tp = false;
+  int tp = 1;
 };
 
-// Throws kUnsupported for a model the parallel settings cannot split (a
-// whole-width q/k norm under tp, heads that do not divide), kInvalidArgument for more ranks
-// than experts.
-void check_parallel_supported(const ModelConfig& mc, int ranks, bool tp);
+// Throws kUnsupported for a model the parallel settings cannot split (a whole-width q/k norm
+// under tp > 1, heads that do not divide over tp), kInvalidArgument for more ranks than experts.
+void check_parallel_supported(const ModelConfig& mc, int ranks, int tp);
 
 // Throws kUnsupported for what the CUDA path does not run yet (an output-projection bias, latent
 // widths past the kernels' limits).

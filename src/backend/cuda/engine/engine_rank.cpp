@@ -40,11 +40,16 @@ Rank::Rank(const ModelConfig& mc, const EngineOptions& o, int r, int n, const Pe
   const dist::EpBackendTraits& traits = dist::ep_backend_traits(o.ep_backend);
   exchanges = n > 1 && traits.reduced_output;
   capturable = !exchanges || traits.graph_capturable;
+  group_size = dp ? n / o.dp : n;
+  group = r / group_size;
+  group_rank = r % group_size;
+  split_rows = dp && group_size > 1;
   opts.device = o.device + r;
   opts.progress = o.progress && r == 0;
   max_tokens = step_rows(o);
+  max_rows = round_to_unit(o.max_batch, o);
   max_blocks = (o.max_context + o.block_size - 1) / o.block_size;
-  logit_rows = std::max<int64_t>(o.max_batch, 64);
+  logit_rows = std::max<int64_t>(max_rows, 64);
 }
 
 // With this rank's device current, which the destroying thread's need not be.
@@ -64,7 +69,7 @@ void Rank::setup(const std::string& dir) {
   DeviceLoad dl{opts.device, opts.random_weights, opts.seed, opts.strict, opts.progress, max_tokens};
   dl.rank = rank;
   dl.ranks = ranks;
-  dl.tp = tp;
+  dl.tp = opts.tp;
   model = load_device_model(dir, mc, dl);
   blas = std::make_unique<Blas>();
   // Room for steps past the GEMV on FP8 dense matrices (projection.cpp): the activations
@@ -107,9 +112,9 @@ void Rank::setup(const std::string& dir) {
   MOE_CUDA_CHECK(cudaMemset(ws.counter, 0, sizeof(unsigned)));
 
   ArenaSizer meta_sizer;
-  carve_meta(meta_sizer, max_tokens, opts.max_batch, max_blocks);
+  carve_meta(meta_sizer, max_tokens, max_rows, max_blocks);
   meta_arena = DeviceArena("step metadata", meta_sizer.bytes());
-  meta = carve_meta(meta_arena, max_tokens, opts.max_batch, max_blocks);
+  meta = carve_meta(meta_arena, max_tokens, max_rows, max_blocks);
   MOE_CUDA_CHECK(cudaMallocHost(&meta_host, meta_arena.capacity()));
 
   // Four graph buckets per doubling (1, 2, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, ...), so that a
@@ -118,12 +123,17 @@ void Rank::setup(const std::string& dir) {
   // replayed in a graph, qwen3-30b-a3b's 3-row step took 7.31 ms against 6.38 ms as four rows
   // (H100), its experts on the plan-free GEMV (24 slots) rather than the grouped one. Each
   // bucket's graph is captured on its first use.
+  // Under dp with tp > 1 the buckets are rounded to the row unit.
+  auto add_bucket = [&](int b) {
+    const int rounded = static_cast<int>(round_to_unit(b, opts));
+    if (buckets.empty() || buckets.back() < rounded) buckets.push_back(rounded);
+  };
   for (int b = 1; b < opts.max_batch; b += std::max(1, static_cast<int>(std::bit_floor(static_cast<unsigned>(b)) / 4)))
-    if (b != 3) buckets.push_back(b);
-  buckets.push_back(opts.max_batch);
+    if (b != 3) add_bucket(b);
+  add_bucket(opts.max_batch);
   // One output for every graph: the graphs run one at a time, and the host reads a step's
   // tokens before the next step starts.
-  const size_t rows = static_cast<size_t>(opts.max_batch);
+  const size_t rows = static_cast<size_t>(max_rows);
   graph_arena = DeviceArena("decode graph outputs", rows * (static_cast<size_t>(mc.vocab_size) * 4 + 4) + 1024);
   graph_logits = graph_arena.take_n<float>(rows * static_cast<size_t>(mc.vocab_size));
   graph_sampled = graph_arena.take_n<int32_t>(rows);
@@ -141,7 +151,7 @@ void Rank::setup_exchange() {
   c.hidden = mc.hidden_size;
   c.inter = mc.moe.intermediate_size;
   c.top_k = mc.moe.top_k;
-  c.max_tokens = max_tokens;
+  c.max_tokens = exchange_rows(opts);
   c.own_tokens = dp;
   for (const DeviceLayer& L : model->layers)
     if (L.sparse) c.expert_format = L.expert_gate_up.format;
@@ -279,7 +289,7 @@ void Rank::upload_meta_from(const Rank& written) {
 // --- steps -----------------------------------------------------------------------------------
 
 void Rank::eager_step(int64_t rows, int segments, int64_t real, int64_t context, float* logits_out, bool sample) {
-  last_tokens = rows;
+  last_tokens = real;  // the routing log's rows: padding rows take no expert
   run_layers(rows, segments, context);
   if (reads_out() && real > 0) {
     if (logits_out)
@@ -397,7 +407,7 @@ void Rank::profiled_step(int bucket, float* logits, int32_t* sampled) {
 // After a step on this rank's stream: the step's all-reduce waits all completed.
 void Rank::finish_step() {
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (allreduce) allreduce->check(rank);
+  if (allreduce) allreduce->check(group_rank);
   if (ep_link.p2p)  // the exchange's wait status is one per rank, whichever layer timed out
     for (const auto& e : ep_layers)
       if (e) {
@@ -639,6 +649,18 @@ bool Rank::feed_forward(int64_t l, int64_t tokens, bool* next_normed) {
   if ((profiling || opts.record_routing) && routed_log)
     MOE_CUDA_CHECK(cudaMemcpyAsync(routed_log + l * max_tokens * rc.top_k, ws.topk_ids,
                                    static_cast<size_t>(tokens * rc.top_k) * 4, cudaMemcpyDeviceToDevice, stream));
+  if (exchanges && split_rows) {
+    // Every rank of the attention group holds the group's rows: each exchanges its own share
+    // (zeros elsewhere), and the group's all-reduce gives every rank all of them, with the
+    // shared expert's output (whole on every rank), the residual add and the next layer's input
+    // norm folded in. Adding zeros is exact, so the rows are those of one exchange.
+    const int64_t share = tokens / group_size, first = group_rank * share, k = rc.top_k, hidden = c.hidden_size;
+    MOE_CUDA_CHECK(cudaMemsetAsync(ws.branch, 0, static_cast<size_t>(tokens * hidden) * 2, stream));
+    ep_layers[static_cast<size_t>(l)]->forward(ws.h + first * hidden, ws.topk_ids + first * k,
+                                               ws.topk_weights + first * k, share, ws.branch + first * hidden, stream);
+    mark("routed experts over the EP exchange (this GPU's share of the rows)");
+    return gather_shares(l, tokens, next_normed);
+  }
   if (exchanges) {
     // The exchange brings each token's slots to the ranks that hold their experts and the sums
     // back: every rank ends with the whole routed output. The shared expert runs whole on
@@ -653,16 +675,7 @@ bool Rank::feed_forward(int64_t l, int64_t tokens, bool* next_normed) {
     // layer's input norm folds into it.
     L.experts->forward(ws.h, ws.local_ids, ws.topk_weights, tokens, ws.branch, ws.experts, stream);
     mark("routed experts");
-    const bool shared = L.shared_gate_up && shared_expert(l, tokens);
-    if (opts.fuse && l + 1 < c.num_layers) {
-      const PeerAllReduce::AddNorm norm{ws.x, shared ? ws.branch2 : nullptr,
-                                        model->layers[static_cast<size_t>(l + 1)].input_norm, c.rms_norm_eps, ws.h};
-      all_reduce(ws.branch, tokens, &norm);
-      *next_normed = true;
-      return false;
-    }
-    all_reduce(ws.branch, tokens);
-    return shared;
+    return gather_shares(l, tokens, next_normed);
   } else if (opts.fuse && !L.shared_gate_up && l + 1 < c.num_layers) {
     // ws.h is both the experts' input and the folded norm's output: the combine writes it only
     // after the expert GEMMs, which read it, have completed (stream order).
@@ -676,6 +689,24 @@ bool Rank::feed_forward(int64_t l, int64_t tokens, bool* next_normed) {
     mark("routed experts");
   }
   return L.shared_gate_up && shared_expert(l, tokens);
+}
+
+// The routed output's shares in ws.branch summed over the group; the shared expert (whole on
+// every rank) runs first, so that the residual add and the next layer's input norm fold into
+// the sum. Returns what feed_forward does.
+bool Rank::gather_shares(int64_t l, int64_t tokens, bool* next_normed) {
+  const ModelConfig& c = config;
+  const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
+  const bool shared = L.shared_gate_up && shared_expert(l, tokens);
+  if (opts.fuse && l + 1 < c.num_layers) {
+    const PeerAllReduce::AddNorm norm{ws.x, shared ? ws.branch2 : nullptr,
+                                      model->layers[static_cast<size_t>(l + 1)].input_norm, c.rms_norm_eps, ws.h};
+    all_reduce(ws.branch, tokens, &norm);
+    *next_normed = true;
+    return false;
+  }
+  all_reduce(ws.branch, tokens);
+  return shared;
 }
 
 // The layer's shared expert into ws.branch2 (gated where the model gates it); returns true.
@@ -728,7 +759,7 @@ bool Rank::fused_router(int64_t tokens) const {
 // Sums a partial [tokens, H] bf16 result over the ranks in place; with `then`, folds the
 // residual add and norm that follow into the same kernel instead (ranks > 1 only).
 void Rank::all_reduce(uint16_t* rows, int64_t tokens, const PeerAllReduce::AddNorm* then) {
-  allreduce->run(rank, rows, tokens, config.hidden_size, stream, then);
+  allreduce->run(group_rank, rows, tokens, config.hidden_size, stream, then);
   mark(then ? "all-reduce + residual add + RMSNorm" : "all-reduce");
 }
 

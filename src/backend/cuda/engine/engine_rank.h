@@ -35,8 +35,19 @@ struct DecodeGraph {
   int32_t* sampled = nullptr;
 };
 
+// A step's rows are a multiple of this: under dp with tp > 1 each GPU of an attention group
+// passes an equal share of the group's rows to the EP exchange.
+inline int row_unit(const EngineOptions& o) { return o.dp > 1 ? o.tp : 1; }
+inline int64_t round_to_unit(int64_t rows, const EngineOptions& o) {
+  const int64_t u = row_unit(o);
+  return (rows + u - 1) / u * u;
+}
 // Rows of the largest eager forward: a prefill chunk, or a decode step of max_batch rows.
-inline int64_t step_rows(const EngineOptions& o) { return std::max<int64_t>(o.max_step_tokens, o.max_batch); }
+inline int64_t step_rows(const EngineOptions& o) {
+  return round_to_unit(std::max<int64_t>(o.max_step_tokens, o.max_batch), o);
+}
+// Rows one GPU passes to the EP exchange at most: a step's, or under dp its share of its group's.
+inline int64_t exchange_rows(const EngineOptions& o) { return step_rows(o) / row_unit(o); }
 
 // How a decode step runs once its metadata is on the device.
 enum class DecodeRun { kGraph, kProfiled, kEager };
@@ -51,8 +62,9 @@ struct EpLink {
 
 struct Rank {
   // Rank `r` of `n` (on device o.device + r), for options `o` already checked and completed:
-  // attention shares (tp) and local_allreduce expert outputs summed through `sum`, the other EP
-  // backends' exchanges through `link`. Host fields only: setup() allocates.
+  // attention shares (tp) and local_allreduce expert outputs summed through `sum` (its attention
+  // group's all-reduce), the other EP backends' exchanges through `link`. Host fields only:
+  // setup() allocates.
   Rank(const ModelConfig& mc, const EngineOptions& o, int r, int n, const PeerAllReduce* sum, EpLink link = {});
   ~Rank();
   Rank(const Rank&) = delete;
@@ -95,9 +107,9 @@ struct Rank {
   // One decode step of `bucket` rows, the first `rows` real ones; a rank that reads out copies
   // their sampled tokens into host memory `tokens`. Returns once done.
   void decode_step(int64_t rows, int bucket, DecodeRun how, int32_t* tokens);
-  // Whether this rank's final rows are read out (logits, sampling): rank 0, whose rows every rank
-  // shares, or under dp every rank, each for its own sequences.
-  bool reads_out() const { return dp || rank == 0; }
+  // Whether this rank's final rows are read out (logits, sampling): the first rank of its
+  // attention group (rank 0 without dp), whose rows the group shares.
+  bool reads_out() const { return group_rank == 0; }
   // The smallest decode graph bucket of at least `rows` rows (the largest for more).
   int bucket_for(int64_t rows) const;
   // The bucket's graph, captured on first use (which overwrites the step metadata with padding).
@@ -120,17 +132,25 @@ struct Rank {
   EngineOptions opts;  // this rank's: its device, progress on rank 0 only
   int rank = 0, ranks = 1;
   bool tp = false;
-  // Data-parallel attention (opts.dp > 1): this rank runs attention and the head for its own
-  // sequences, with its own KV cache and step metadata, and its experts exchange those rows only.
+  // Data-parallel attention (opts.dp > 1): this rank's attention group runs attention and the
+  // head for its own sequences, with its own KV cache and step metadata, and the experts
+  // exchange those rows only.
   bool dp = false;
-  const PeerAllReduce* allreduce = nullptr;  // sums partial outputs (tp, local_allreduce)
+  // The attention group: the GPUs that share this rank's rows (all of them, or tp under dp), and
+  // this rank's place in it.
+  int group = 0, group_size = 1, group_rank = 0;
+  // Under dp with tp > 1: each rank of a group exchanges its share of the group's rows with the
+  // experts, and the group's all-reduce gives every rank all of them back.
+  bool split_rows = false;
+  const PeerAllReduce* allreduce = nullptr;  // sums partial outputs over the group (tp, local_allreduce)
   EpLink ep_link;
   // Whether the routed experts run through an EP exchange (ep_layers) rather than this rank's
   // experts on every token and the all-reduce.
   bool exchanges = false;
   // Whether a decode step can be captured in a graph (the exchange's traits).
   bool capturable = true;
-  int64_t max_tokens = 0, max_blocks = 0, logit_rows = 0;
+  // max_rows: the largest decode step, max_batch rounded to the row unit.
+  int64_t max_tokens = 0, max_rows = 0, max_blocks = 0, logit_rows = 0;
 
   // --- on the device -----------------------------------------------------------------------
   std::unique_ptr<DeviceModel> model;
@@ -170,6 +190,7 @@ struct Rank {
   void route(int64_t l, int64_t tokens);
   bool feed_forward(int64_t l, int64_t tokens, bool* next_normed);
   bool shared_expert(int64_t l, int64_t tokens);
+  bool gather_shares(int64_t l, int64_t tokens, bool* next_normed);
   void head(int64_t first, int64_t rows, float* logits, int32_t* sampled);
   bool fused_router(int64_t tokens) const;
   void all_reduce(uint16_t* rows, int64_t tokens, const PeerAllReduce::AddNorm* then = nullptr);
