@@ -6,19 +6,23 @@
 // the dense projection's FP8 GEMV, its tensor-core kernel for 4-32 rows (every code widened
 // exactly), its W8A8 form on cuBLASLt's block-scaled GEMM and its widened cuBLASLt form; and the engine's weight store
 // holding a checkpoint's FP8 tensors as stored (its bytes are those of the files, not a bf16
-// copy). Outputs poisoned first. Skipped, visibly, where no CUDA device exists.
+// copy), also for a GPU's share of the attention heads under tp. Outputs poisoned first. Skipped, visibly, where no CUDA device exists.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <functional>
 #include <cstdio>
+#include <fstream>
 #include <random>
+
+#include <nlohmann/json.hpp>
 
 #include "backend/cuda/engine/device_model.h"
 #include "backend/cuda/engine/projection.h"
 #include "backend/cuda/ops/fill_launch.h"
 #include "backend/cuda/ops/fp8_blocks_launch.h"
 #include "backend/cuda/ops/gemm_fp8_rows_launch.h"
+#include "backend/cuda_engine.h"
 #include "backend/cuda_moe.h"
 #include "gpu_test_util.h"
 #include "io/checkpoint.h"
@@ -572,6 +576,82 @@ TEST(CudaFp8, WeightStoreHoldsTheCheckpointsBytes) {
   EXPECT_EQ(l0.expert_gate_up.format, cuda::kFp8Blocks);
   // q, k and v stay fused only where k's rows end on a block row (the fixture's 64 do not).
   EXPECT_FALSE(l0.qkv_fused);
+}
+
+// FP8 attention under tp: where a GPU's share of a projection is whole 128 x 128 blocks it stays
+// FP8 (codes and scales copied, no bf16 copy of the matrix), and the split engine gives the
+// one-GPU logits within the FP8 bound (test_cuda_engine.cpp: 10% of the largest magnitude).
+// Random weights at widths whose shares are whole blocks on two GPUs: grouped-query attention
+// (4 heads of 128, 2 key/value heads: 2 x 128 query rows, 128 key and 128 value rows, 256 output
+// columns a GPU) and latent attention (q_b rows of 2 heads x 128, output columns of 2 x 64 =
+// 128; kv_b's 2 x 160 rows are not whole blocks and are widened, as before).
+TEST(CudaFp8, TensorParallelSharesOfWholeBlocksStayFp8) {
+  REQUIRE_GPU();
+  struct Case {
+    const char* fixture;
+    nlohmann::json widths;
+  };
+  const Case cases[] = {
+      {"qwen3_moe_fp8", {{"hidden_size", 256}, {"head_dim", 128}}},
+      {"deepseek_v3_fp8",
+       {{"hidden_size", 256}, {"qk_nope_head_dim", 96}, {"qk_rope_head_dim", 32}, {"qk_head_dim", 128},
+        {"head_dim", 32}, {"v_head_dim", 64}}},
+  };
+  for (const Case& c : cases) {
+    test::TempDir dir;
+    nlohmann::json config;
+    std::ifstream(std::string(MOE_SOURCE_DIR) + "/tests/fixtures/" + c.fixture + "/config.json") >> config;
+    config.update(c.widths);
+    test::write_file(dir.path() / "config.json", config.dump());
+    const ModelConfig mc = load_model_config(dir.str());
+    const bool mla = mc.attention == AttentionKind::kMla;
+    cuda::DeviceLoad opts;
+    opts.random_weights = true;
+    opts.seed = 5;
+    opts.max_tokens = 64;
+    opts.rank = 1;
+    opts.ranks = 2;
+    opts.tp = 2;
+    const auto model = cuda::load_device_model(dir.str(), mc, opts);
+    const cuda::DeviceLayer& l0 = model->layers[0];
+    EXPECT_EQ(l0.o.format, cuda::kFp8Blocks) << c.fixture << ": the output projection's columns";
+    EXPECT_EQ(l0.o.cols, mla ? 2 * 64 : 2 * 128) << c.fixture;
+    if (mla) {
+      EXPECT_EQ(l0.q_b.format, cuda::kFp8Blocks) << c.fixture << ": q_b's rows";
+      EXPECT_EQ(l0.q_b.rows, 2 * 128) << c.fixture;
+    } else {
+      EXPECT_EQ(l0.q.format, cuda::kFp8Blocks) << c.fixture << ": the stacked q, k and v rows";
+      EXPECT_TRUE(l0.qkv_fused);
+      EXPECT_EQ(l0.q.rows, 2 * 128 + 128 + 128) << c.fixture;
+    }
+    if (gputest::gpu_count() < 2 || !gputest::peers_reachable(2)) {
+      std::printf("[ %s ] fewer than two GPUs with peer access: the split engine's logits not compared\n", c.fixture);
+      continue;
+    }
+    const std::vector<int32_t> ids{3, 17, 5, 200, 9, 41, 7, 7, 1, 99, 250, 12};
+    Tensor logits[2];
+    for (int tp = 1; tp <= 2; ++tp) {
+      cuda::EngineOptions o;
+      o.random_weights = true;
+      o.seed = 5;
+      o.max_context = 64;
+      o.tp = tp;
+      o.ep = tp;
+      auto engine = cuda::Engine::load(dir.str(), o);
+      engine->prefill(engine->open(), ids, SamplingParams{}, &logits[tp - 1], true);
+    }
+    ASSERT_EQ(logits[0].numel(), logits[1].numel());
+    double diff = 0, scale = 0;
+    for (int64_t i = 0; i < logits[0].numel(); ++i) {
+      const double a = logits[0].data<float>()[i], b = logits[1].data<float>()[i];
+      ASSERT_TRUE(std::isfinite(b)) << c.fixture << " at " << i;
+      diff = std::max(diff, std::fabs(a - b));
+      scale = std::max(scale, std::fabs(a));
+    }
+    std::printf("[ %s, tp 2 ep 2 ] max |split - one GPU| = %.3g of %.3g\n", c.fixture, diff, scale);
+    EXPECT_GT(scale, 0.0) << c.fixture;
+    EXPECT_LE(diff, std::max(0.10 * scale, 2e-3)) << c.fixture;
+  }
 }
 
 }  // namespace

@@ -37,6 +37,98 @@ bool adjacent(const DeviceMatrix& a, const DeviceMatrix& b) {
   return a.rows % f.block_rows == 0 && b.scales == a.scales + a.rows / f.block_rows * scale_cols;
 }
 
+// --- a GPU's share of the attention heads under tp ---------------------------------------------
+// Shares of a block-scaled matrix that are whole blocks are copied as they are (codes and
+// scales), so that the GPU keeps FP8 resident; other shares are cut from a bf16 copy.
+
+int64_t blocks_of(int64_t n, int64_t block) { return (n + block - 1) / block; }
+
+// Whether rows [first, first + n) of a block-scaled m are whole blocks (the last may end at the
+// matrix's edge); the same for columns.
+bool whole_row_blocks(const DeviceMatrix& m, int64_t first, int64_t n) {
+  const int64_t b = m.format.block_rows;
+  return m && m.format.scaled() && first % b == 0 && (n % b == 0 || first + n == m.rows);
+}
+bool whole_col_blocks(const DeviceMatrix& m, int64_t first, int64_t n) {
+  const int64_t b = m.format.block_cols;
+  return m && m.format.scaled() && first % b == 0 && (n % b == 0 || first + n == m.cols);
+}
+
+// Device bytes of a [rows, cols] copy in `f` (codes and scales), with room for the arena's
+// alignment of both pieces.
+size_t copy_bytes(const WeightFormat& f, int64_t rows, int64_t cols) {
+  size_t bytes = static_cast<size_t>(rows * cols) * dtype_size(f.dtype) + 2 * kDeviceAlign;
+  if (f.scaled()) bytes += static_cast<size_t>(blocks_of(rows, f.block_rows) * blocks_of(cols, f.block_cols)) * 4;
+  return bytes;
+}
+
+// Rows [first, first + n) of matrices of one format and width, stacked in `arena` as one matrix:
+// a GPU's rows of q, k and v back to back, so that one projection runs them. In a scaled format
+// every part but the last must be whole blocks (whole_row_blocks).
+struct RowPart {
+  const DeviceMatrix* m;
+  int64_t first, n;
+};
+DeviceMatrix stack_rows(DeviceArena& arena, std::initializer_list<RowPart> parts) {
+  const DeviceMatrix& m0 = *parts.begin()->m;
+  const WeightFormat f = m0.format;
+  const size_t es = dtype_size(f.dtype);
+  int64_t rows = 0;
+  for (const RowPart& p : parts) rows += p.n;
+  char* data = arena.take<char>(static_cast<size_t>(rows * m0.cols) * es);
+  float* scales = f.scaled() ? arena.take_n<float>(static_cast<size_t>(blocks_of(rows, f.block_rows) *
+                                                                       blocks_of(m0.cols, f.block_cols)))
+                             : nullptr;
+  int64_t at = 0;
+  for (const RowPart& p : parts) {
+    MOE_CHECK(p.m->format == f && p.m->cols == m0.cols && p.m->count == 1, kInternal, "stacking unlike matrices");
+    MOE_CUDA_CHECK(cudaMemcpy(data + at * m0.cols * static_cast<int64_t>(es),
+                              static_cast<const char*>(p.m->data) + p.first * m0.cols * static_cast<int64_t>(es),
+                              static_cast<size_t>(p.n * m0.cols) * es, cudaMemcpyDeviceToDevice));
+    if (f.scaled()) {
+      MOE_CHECK(at % f.block_rows == 0 && p.first % f.block_rows == 0, kInternal, "a row share splits a block");
+      const int64_t sc = blocks_of(m0.cols, f.block_cols);
+      MOE_CUDA_CHECK(cudaMemcpy(scales + at / f.block_rows * sc, p.m->scales + p.first / f.block_rows * sc,
+                                static_cast<size_t>(blocks_of(p.n, f.block_rows) * sc) * 4, cudaMemcpyDeviceToDevice));
+    }
+    at += p.n;
+  }
+  DeviceMatrix out = m0;
+  out.data = data;
+  out.scales = scales;
+  out.rows = rows;
+  out.stride = 0;
+  return out;
+}
+
+// Columns [first, first + width) of m (an output projection's share under tp) as a dense
+// [rows, width] matrix in `arena`; in a scaled format they must be whole blocks.
+DeviceMatrix gather_columns(DeviceArena& arena, const DeviceMatrix& m, int64_t first, int64_t width) {
+  const WeightFormat f = m.format;
+  const size_t es = dtype_size(f.dtype);
+  MOE_CHECK(m.count == 1 && (!f.scaled() || whole_col_blocks(m, first, width)), kInternal,
+            "columns [{}, {}) of a {} x {} matrix", first, first + width, m.rows, m.cols);
+  char* data = arena.take<char>(static_cast<size_t>(m.rows * width) * es);
+  MOE_CUDA_CHECK(cudaMemcpy2D(data, static_cast<size_t>(width) * es,
+                              static_cast<const char*>(m.data) + first * static_cast<int64_t>(es),
+                              static_cast<size_t>(m.cols) * es, static_cast<size_t>(width) * es,
+                              static_cast<size_t>(m.rows), cudaMemcpyDeviceToDevice));
+  DeviceMatrix out = m;
+  out.data = data;
+  out.cols = width;
+  out.stride = 0;
+  if (f.scaled()) {
+    const int64_t sc = blocks_of(m.cols, f.block_cols), wc = blocks_of(width, f.block_cols),
+                  rb = blocks_of(m.rows, f.block_rows);
+    float* scales = arena.take_n<float>(static_cast<size_t>(rb * wc));
+    MOE_CUDA_CHECK(cudaMemcpy2D(scales, static_cast<size_t>(wc) * 4, m.scales + first / f.block_cols,
+                                static_cast<size_t>(sc) * 4, static_cast<size_t>(wc) * 4, static_cast<size_t>(rb),
+                                cudaMemcpyDeviceToDevice));
+    out.scales = scales;
+  }
+  return out;
+}
+
 }  // namespace
 
 void check_cuda_supported(const ModelConfig& mc) {
@@ -176,41 +268,66 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
                                                   static_cast<int>(m.format.block_cols), out, nullptr));
     return DeviceMatrix::bf16(out, m.rows, m.cols, m.count);
   };
+  // How each layer's attention heads are cut for this GPU under tp: a block-scaled matrix whose
+  // share is whole blocks stays FP8 (its codes and scales copied or viewed), any other is cut
+  // from a bf16 copy of the whole matrix.
+  const bool mla = mc.attention == AttentionKind::kMla;
+  const int64_t hd = mc.head_dim, qw_local = q_heads * hd, kw_local = kv_heads * hd;
+  const int64_t qk = mla ? mc.mla.qk_head_dim() : 0, vd = mla ? mc.mla.v_head_dim : 0;
+  const int64_t kv_b_rows = mla ? mc.mla.qk_nope_head_dim + mc.mla.v_head_dim : 0;  // per head
+  struct Shares {
+    bool qkv = false;   // grouped-query: this GPU's rows of q, k and v
+    bool o = false;     // its columns of the output projection
+    bool q_b = false;   // latent: its rows of q_b (or q)
+    bool kv_b = false;  // latent: only its heads of kv_b widened for the absorbed products
+  };
+  auto shares_of = [&](const AttentionWeights& a) {
+    Shares x;
+    if (!split_heads) return x;
+    const DeviceMatrix q = matrix(a.q), k = matrix(a.k), v = matrix(a.v), o = matrix(a.o);
+    const int64_t br = q ? q.format.block_rows : 0;
+    if (mla) {
+      const DeviceMatrix q_b = matrix(a.q_a.defined() ? a.q_b : a.q);
+      x.q_b = whole_row_blocks(q_b, q_first * qk, q_heads * qk);
+      x.kv_b = whole_row_blocks(matrix(a.kv_b), q_first * kv_b_rows, q_heads * kv_b_rows);
+      x.o = whole_col_blocks(o, q_first * vd, q_heads * vd);
+    } else {
+      x.qkv = k && v && q.format == k.format && k.format == v.format && q.cols == k.cols && k.cols == v.cols &&
+              whole_row_blocks(q, q_first * hd, qw_local) && qw_local % br == 0 &&
+              whole_row_blocks(k, kv_first * hd, kw_local) && kw_local % br == 0 &&
+              whole_row_blocks(v, kv_first * hd, kw_local);
+      x.o = whole_col_blocks(o, q_first * hd, qw_local);
+    }
+    return x;
+  };
   {
-    // Size `widened` for what as_bf16 will be given below.
-    size_t bytes = 256 + widened_bytes(matrix(w.embed));
+    // Size `widened` for what as_bf16 will be given below, and `derived` for the copies.
+    size_t bytes = 256 + widened_bytes(matrix(w.embed)), derived = 256;
     for (const LayerWeights& lw : w.layers) {
-      bytes += widened_bytes(matrix(lw.attn.kv_b)) + widened_bytes(lw.sparse ? matrix(lw.moe.router) : DeviceMatrix{});
-      if (split_heads)
-        for (const Tensor* t : {&lw.attn.q, &lw.attn.k, &lw.attn.v, &lw.attn.o, &lw.attn.q_b})
-          bytes += widened_bytes(matrix(*t));
+      const AttentionWeights& a = lw.attn;
+      const Shares x = shares_of(a);
+      const DeviceMatrix kv_b = matrix(a.kv_b);
+      bytes += (x.kv_b ? widened_bytes(kv_b.row_slice(q_first * kv_b_rows, q_heads * kv_b_rows)) : widened_bytes(kv_b)) +
+               widened_bytes(lw.sparse ? matrix(lw.moe.router) : DeviceMatrix{});
+      const WeightFormat bf16{};
+      if (mla) {
+        derived += static_cast<size_t>(q_heads * mc.mla.kv_lora_rank * mc.mla.qk_nope_head_dim) * 2 + kDeviceAlign;
+        if (!split_heads) continue;
+        const DeviceMatrix q_b = matrix(a.q_a.defined() ? a.q_b : a.q);
+        if (!x.q_b) bytes += widened_bytes(q_b);
+        if (!x.o) bytes += widened_bytes(matrix(a.o));
+        derived += copy_bytes(x.o ? matrix(a.o).format : bf16, mc.hidden_size, q_heads * vd);
+      } else if (split_heads) {
+        if (!x.qkv)
+          for (const Tensor* t : {&a.q, &a.k, &a.v}) bytes += widened_bytes(matrix(*t));
+        if (!x.o) bytes += widened_bytes(matrix(a.o));
+        derived += copy_bytes(x.qkv ? matrix(a.q).format : bf16, qw_local + 2 * kw_local, mc.hidden_size) +
+                   copy_bytes(x.o ? matrix(a.o).format : bf16, mc.hidden_size, qw_local);
+      }
     }
     model->widened = DeviceArena("widened FP8 weights", bytes);
+    if (derived > 256) model->derived = DeviceArena(mla ? "derived weights" : "attention slices", derived);
   }
-  // Columns [first, first + width) of a [hidden, columns] matrix (an output projection's share
-  // under tp), as a dense [hidden, width] matrix in the derived arena.
-  auto gather_columns = [&](const DeviceMatrix& m, int64_t first, int64_t width) -> DeviceMatrix {
-    const uint16_t* from = m.bf16_data("a split output projection");
-    uint16_t* out = model->derived.take_n<uint16_t>(static_cast<size_t>(m.rows * width));
-    MOE_CUDA_CHECK(cudaMemcpy2D(out, static_cast<size_t>(width) * 2, from + first, static_cast<size_t>(m.cols) * 2,
-                                static_cast<size_t>(width) * 2, static_cast<size_t>(m.rows), cudaMemcpyDeviceToDevice));
-    return DeviceMatrix::bf16(out, m.rows, width);
-  };
-
-  // Weights rearranged at load, per layer. Latent attention: this rank's heads' absorbed keys,
-  // and under tp its columns of the output projection. Grouped-query attention under tp: the
-  // rank's rows of q, k and v back to back (one projection, as on one GPU) and its columns of
-  // the output projection, each gathered into a dense matrix.
-  const bool mla = mc.attention == AttentionKind::kMla;
-  size_t derived_per_layer = 0;
-  if (mla)
-    derived_per_layer = static_cast<size_t>(q_heads * mc.mla.kv_lora_rank * mc.mla.qk_nope_head_dim) * 2 +
-                        (split_heads ? static_cast<size_t>(mc.hidden_size * q_heads * mc.mla.v_head_dim) * 2 : 0);
-  else if (split_heads)
-    derived_per_layer = static_cast<size_t>(mc.hidden_size * (2 * q_heads + 2 * kv_heads) * mc.head_dim) * 2;
-  if (derived_per_layer)
-    model->derived = DeviceArena(mla ? "derived weights" : "attention slices",
-                                 static_cast<size_t>(mc.num_layers) * (derived_per_layer + 512) + 256);
   model->q_heads = q_heads;
   model->kv_heads = kv_heads;
   model->first_expert = first_expert;
@@ -232,33 +349,20 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
     d.k = matrix(a.k);
     d.v = matrix(a.v);
     d.o = matrix(a.o);
-    if (split_heads) {  // sliced below, in bf16
-      d.q = as_bf16(d.q);
-      d.k = as_bf16(d.k);
-      d.v = as_bf16(d.v);
-      d.o = as_bf16(d.o);
-    }
     d.qkv_fused = adjacent(d.q, d.k) && adjacent(d.k, d.v);
     if (d.qkv_fused) d.q.rows += d.k.rows + d.v.rows;  // one projection over the three
-    const int64_t hd = mc.head_dim;
+    const Shares x = shares_of(a);
     if (split_heads && !mla) {
-      // Rows of q, k and v are contiguous per head; the output projection's columns are not.
-      const int64_t qw_local = q_heads * hd, kw_local = kv_heads * hd;
-      const size_t row = static_cast<size_t>(mc.hidden_size) * 2;
-      uint16_t* qkv = model->derived.take_n<uint16_t>(static_cast<size_t>((qw_local + 2 * kw_local) * mc.hidden_size));
-      const uint16_t *q = d.q.bf16_data("split attention"), *k = d.k.bf16_data("split attention"),
-                     *v = d.v.bf16_data("split attention");
-      MOE_CUDA_CHECK(cudaMemcpy(qkv, q + q_first * hd * mc.hidden_size, static_cast<size_t>(qw_local) * row,
-                                cudaMemcpyDeviceToDevice));
-      MOE_CUDA_CHECK(cudaMemcpy(qkv + qw_local * mc.hidden_size, k + kv_first * hd * mc.hidden_size,
-                                static_cast<size_t>(kw_local) * row, cudaMemcpyDeviceToDevice));
-      MOE_CUDA_CHECK(cudaMemcpy(qkv + (qw_local + kw_local) * mc.hidden_size, v + kv_first * hd * mc.hidden_size,
-                                static_cast<size_t>(kw_local) * row, cudaMemcpyDeviceToDevice));
-      d.q = DeviceMatrix::bf16(qkv, qw_local + 2 * kw_local, mc.hidden_size);  // q, k and v rows
+      // Rows of q, k and v are contiguous per head: this GPU's back to back, one projection; the
+      // output projection's columns are not, so they are gathered.
+      const DeviceMatrix q = x.qkv ? matrix(a.q) : as_bf16(matrix(a.q)), k = x.qkv ? matrix(a.k) : as_bf16(matrix(a.k)),
+                         v = x.qkv ? matrix(a.v) : as_bf16(matrix(a.v));
+      d.q = stack_rows(model->derived, {{&q, q_first * hd, qw_local}, {&k, kv_first * hd, kw_local},
+                                        {&v, kv_first * hd, kw_local}});
       d.k = d.q.row_slice(qw_local, kw_local);
       d.v = d.q.row_slice(qw_local + kw_local, kw_local);
       d.qkv_fused = true;
-      d.o = gather_columns(d.o, q_first * hd, qw_local);
+      d.o = gather_columns(model->derived, x.o ? matrix(a.o) : as_bf16(matrix(a.o)), q_first * hd, qw_local);
     }
     if (mc.qkv_bias) {
       std::vector<float> bias;
@@ -277,14 +381,17 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
       // heads and small. Under tp a rank runs its heads only: their rows of the query
       // projection and of kv_b (each contiguous per head), and their columns of o.
       const MlaConfig& m = mc.mla;
-      const int64_t qk = m.qk_head_dim(), kv_b_head = (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank;
+      const int64_t kv_b_head = kv_b_rows * m.kv_lora_rank;
       d.q_a = matrix(a.q_a);
       d.q_a_norm = f32(a.q_a_norm);
-      if (d.q_a) d.q_b = (split_heads ? as_bf16(matrix(a.q_b)) : matrix(a.q_b)).row_slice(q_first * qk, q_heads * qk);
-      else d.q = d.q.row_slice(q_first * qk, q_heads * qk);
+      const DeviceMatrix q_b = matrix(d.q_a ? a.q_b : a.q);
+      (d.q_a ? d.q_b : d.q) = (split_heads && !x.q_b ? as_bf16(q_b) : q_b).row_slice(q_first * qk, q_heads * qk);
       d.kv_a = matrix(a.kv_a);
       d.kv_a_norm = f32(a.kv_a_norm);
-      const uint16_t* kv_b = as_bf16(matrix(a.kv_b)).bf16_data("latent attention") + q_first * kv_b_head;
+      const DeviceMatrix kv_b_all = matrix(a.kv_b);
+      const uint16_t* kv_b =
+          x.kv_b ? as_bf16(kv_b_all.row_slice(q_first * kv_b_rows, q_heads * kv_b_rows)).bf16_data("latent attention")
+                 : as_bf16(kv_b_all).bf16_data("latent attention") + q_first * kv_b_head;
       d.uv = DeviceMatrix::bf16(kv_b + m.qk_nope_head_dim * m.kv_lora_rank, m.v_head_dim, m.kv_lora_rank, q_heads,
                                 kv_b_head);
       uint16_t* uk_t = model->derived.take_n<uint16_t>(static_cast<size_t>(q_heads * m.kv_lora_rank * m.qk_nope_head_dim));
@@ -293,7 +400,7 @@ std::unique_ptr<DeviceModel> load_device_model(const std::string& dir, const Mod
                                                     static_cast<int>(m.v_head_dim),
                                                     static_cast<int>(m.kv_lora_rank), uk_t, nullptr));
       d.uk_t = DeviceMatrix::bf16(uk_t, m.kv_lora_rank, m.qk_nope_head_dim, q_heads);
-      if (split_heads) d.o = gather_columns(as_bf16(d.o), q_first * m.v_head_dim, q_heads * m.v_head_dim);
+      if (split_heads) d.o = gather_columns(model->derived, x.o ? d.o : as_bf16(d.o), q_first * vd, q_heads * vd);
     }
     d.sparse = lw.sparse;
     if (lw.sparse) {
