@@ -195,6 +195,15 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   doc["kv_blocks"] = mem.kv_blocks;
   doc["workspace_bytes"] = mem.workspace;
   doc["graph_output_bytes"] = mem.graph_outputs;
+  const std::vector<cuda::MemoryReport> per_gpu = engine->memory_per_gpu();
+  size_t fullest = 0;  // the GPU with the most bytes
+  auto bytes_of = [](const cuda::MemoryReport& m) { return m.weights + m.kv_cache + m.workspace + m.graph_outputs; };
+  for (size_t g = 0; g < per_gpu.size(); ++g) {
+    const cuda::MemoryReport& m = per_gpu[g];
+    doc["gpu_memory"].push_back({{"weights_bytes", m.weights}, {"kv_cache_bytes", m.kv_cache},
+                                 {"workspace_bytes", m.workspace}, {"graph_output_bytes", m.graph_outputs}});
+    if (bytes_of(m) > bytes_of(per_gpu[fullest])) fullest = g;
+  }
   if (a.prefill_len > 0) {
     doc["prefill_len"] = a.prefill_len;
     doc["prefill_len_tokens_per_s"] = a.prefill_len / long_prefill_s;
@@ -235,6 +244,16 @@ int run_model_bench_cuda(const ModelBenchArgs& a, const std::string& dir) {
   std::printf("load %.2f s; device memory: weights %.2f GB, KV cache %.2f GB (%lld blocks), "
               "workspace %.2f GB, graph outputs %.3f GB\n", load_s, mem.weights / 1e9,
               mem.kv_cache / 1e9, (long long)mem.kv_blocks, mem.workspace / 1e9, mem.graph_outputs / 1e9);
+  if (per_gpu.size() > 1) {
+    const cuda::MemoryReport& m = per_gpu[fullest];
+    const int at = eo.device + static_cast<int>(fullest);
+    size_t capacity = 0;
+    for (const GpuInfo& g : devices)
+      if (g.index == at) capacity = g.memory_bytes;
+    std::printf("  the fullest GPU (%d of %zu): weights %.2f GB, KV cache %.2f GB, workspace %.2f GB, graph outputs "
+                "%.3f GB: %.2f GB of its %.2f GB\n", at, per_gpu.size(), m.weights / 1e9, m.kv_cache / 1e9,
+                m.workspace / 1e9, m.graph_outputs / 1e9, bytes_of(m) / 1e9, capacity / 1e9);
+  }
   if (a.prefill_len > 0) {
     const double f = prefill_flops(a.prefill_len);
     std::printf("prefill of %d tokens: %.1f tok/s (%.1f ms, %.1f TFLOP/s); compute floor %.1f tok/s "

@@ -249,6 +249,13 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "moe-server: %s: weights %.2f GB, KV cache %lld blocks of %d tokens (%.2f GB), workspace %.2f GB\n",
                    gpu_name.c_str(), m.weights / 1e9, static_cast<long long>(m.kv_blocks), gpu->options().block_size,
                    m.kv_cache / 1e9, m.workspace / 1e9);
+      if (ep > 1) {
+        const std::vector<cuda::MemoryReport> per_gpu = gpu->memory_per_gpu();
+        for (size_t g = 0; g < per_gpu.size(); ++g)
+          std::fprintf(stderr, "moe-server:   GPU %d: weights %.2f GB, KV cache %.2f GB, workspace %.2f GB\n",
+                       gpu->options().device + static_cast<int>(g), per_gpu[g].weights / 1e9,
+                       per_gpu[g].kv_cache / 1e9, per_gpu[g].workspace / 1e9);
+      }
     } else {
       context = cfg.max_context > 0 ? cfg.max_context : mc.max_position_embeddings;
       if (kv_blocks == 0) kv_blocks = max_batch * ((context + block_size - 1) / block_size);

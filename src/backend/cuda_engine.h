@@ -184,7 +184,12 @@ class Engine final : public runtime::Executor {
   std::vector<int32_t> decode(std::span<const int32_t> seqs, std::span<const int32_t> tokens,
                               std::span<const SamplingParams> params, OpProfile* profile = nullptr);
 
+  // Device bytes summed over the GPUs, and the KV blocks of every attention group.
   MemoryReport memory() const;
+  // Each GPU's own bytes (weights, KV cache, workspace with its share of the exchanges' and
+  // all-reduces' buffers, graph outputs), GPU device + r at r; its kv_blocks are its pools'
+  // blocks and its free and cached ones its attention group's. memory() adds up their bytes.
+  std::vector<MemoryReport> memory_per_gpu() const;
   // With record_routing (or after a profiled step): the experts each MoE layer chose for each
   // row of the last forward (the last chunk of a prefill), [layers, rows, top_k], ascending per
   // row; -1 for dense layers.

@@ -336,7 +336,18 @@ void expect_lockstep_prefills_equal_alone(const std::string& name, int n, dist::
     engine->close(s);
   }
   EXPECT_EQ(together, alone) << name << " dp " << dp << " tp " << o.tp << " " << dist::ep_backend_name(backend);
-  EXPECT_EQ(engine->memory().kv_blocks_free, engine->memory().kv_blocks - dp);
+  const cuda::MemoryReport total = engine->memory();
+  EXPECT_EQ(total.kv_blocks_free, total.kv_blocks - dp);
+  // Each GPU's own bytes: a part of the weights, and an equal share of the cache (every GPU's
+  // pools have the same blocks of the same width).
+  const std::vector<cuda::MemoryReport> per_gpu = engine->memory_per_gpu();
+  ASSERT_EQ(per_gpu.size(), static_cast<size_t>(n));
+  for (const cuda::MemoryReport& g : per_gpu) {
+    EXPECT_GT(g.weights, 0u);
+    EXPECT_LT(g.weights, total.weights);
+    EXPECT_EQ(g.kv_cache * static_cast<size_t>(n), total.kv_cache);
+    EXPECT_EQ(g.kv_blocks * dp, total.kv_blocks);
+  }
 }
 
 TEST_P(CudaEngineDataParallel, PrefillsOfEveryRankInOneStepEqualEachAlone) {

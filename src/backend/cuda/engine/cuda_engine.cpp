@@ -530,12 +530,32 @@ runtime::StepResult Engine::run(const runtime::StepPlan& plan) {
 
 std::vector<int32_t> Engine::last_routing() const { return s_->first().routing(); }
 
+std::vector<MemoryReport> Engine::memory_per_gpu() const {
+  const State& s = *s_;
+  std::vector<MemoryReport> out;
+  for (const auto& x : s.ranks) {
+    MemoryReport r;
+    x->count_memory(&r);
+    if (x->allreduce) r.workspace += x->allreduce->bytes_per_rank();
+    if (s.p2p) r.workspace += s.p2p->bytes_per_rank();
+    const BlockAllocator& b = *s.groups[static_cast<size_t>(x->group)].blocks;
+    r.kv_blocks = x->kv_blocks;
+    r.kv_blocks_free = b.free_blocks();
+    r.kv_blocks_cached = b.cached_blocks();
+    out.push_back(r);
+  }
+  return out;
+}
+
 MemoryReport Engine::memory() const {
   const State& s = *s_;
   MemoryReport r;
-  for (const auto& x : s.ranks) x->count_memory(&r);
-  for (const auto& a : s.allreduces) r.workspace += a->bytes_per_rank() * static_cast<size_t>(a->ranks());
-  if (s.p2p) r.workspace += s.p2p->bytes_per_rank() * s.ranks.size();
+  for (const MemoryReport& g : memory_per_gpu()) {
+    r.weights += g.weights;
+    r.kv_cache += g.kv_cache;
+    r.workspace += g.workspace;
+    r.graph_outputs += g.graph_outputs;
+  }
   // One cache per group: every rank's pools together, or each attention group's under dp.
   const int64_t groups = static_cast<int64_t>(s.groups.size());
   const runtime::KvUsage u = kv_usage();
