@@ -31,6 +31,7 @@ int Engine::group_of(int32_t) const { MOE_THROW(kInternal, "no CUDA engine"); }
 runtime::KvUsage Engine::group_kv_usage(int) const { return {}; }
 runtime::StepResult Engine::run(const runtime::StepPlan&) { MOE_THROW(kInternal, "no CUDA engine"); }
 MemoryReport Engine::memory() const { return {}; }
+std::vector<MemoryReport> Engine::memory_per_gpu() const { return {}; }
 std::vector<int32_t> Engine::last_routing() const { return {}; }
 
 }  // namespace moe::cuda
