@@ -18,11 +18,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "backend/cuda/ops/blas.h"
 #include "backend/cuda/cuda_check.h"
-#include "backend/cuda/ops/ops_launch.h"
-#include "backend/cuda/moe/router_params.h"
 #include "backend/cuda_ep.h"
+#include "backend/cuda_router.h"
 #include "dist/nccl_communicator.h"
 #include "bench_common.h"
 #include "bench_layer.h"
@@ -115,28 +113,17 @@ ModeResult run_mode(const Layer& L, const Mode& m, int ep, int64_t tokens,
     auto* d_dn = upload(my_dn);
     auto* d_x = upload(x);
     auto* d_rw = upload(L.router_w);
-    auto* d_logits = upload(std::vector<float>(static_cast<size_t>(tokens * L.experts)));
     auto* d_ids = upload(std::vector<int32_t>(static_cast<size_t>(tokens * L.top_k)));
     auto* d_w = upload(std::vector<float>(static_cast<size_t>(tokens * L.top_k)));
     auto* d_out = upload(std::vector<uint16_t>(x.size()));
-    owned = {d_gu, d_dn, d_x, d_rw, d_logits, d_ids, d_w, d_out};
+    owned = {d_gu, d_dn, d_x, d_rw, d_ids, d_w, d_out};
     {
-      cuda::Blas blas;
       const cuda::EpLayerConfig c{.backend = m.backend, .rank = r, .ranks = ranks, .device = r,
                                   .experts = L.experts, .hidden = L.hidden, .inter = L.inter, .top_k = L.top_k,
                                   .max_tokens = tokens, .exchange_only = m.exchange_only};
       cuda::EpExperts layer(c, d_gu, d_dn, comm, exchange.get());
-      const cuda::kernels::RouterParams rp = cuda::kernels::router_params(L.router, nullptr);
-      // Small routers in one kernel (route_hidden), others as a cuBLASLt projection and route().
-      auto route = [&] {
-        if (cuda::kernels::route_hidden_supported(static_cast<int>(L.experts), static_cast<int>(L.hidden))) {
-          MOE_CUDA_CHECK(cuda::kernels::route_hidden(d_x, d_rw, static_cast<int>(L.hidden), rp,
-                                                     static_cast<int>(tokens), d_ids, d_w, nullptr, st));
-          return;
-        }
-        blas.linear(d_x, d_rw, d_logits, cuda::OutType::kF32, tokens, L.experts, L.hidden, st);
-        MOE_CUDA_CHECK(cuda::kernels::route(d_logits, rp, static_cast<int>(tokens), d_ids, d_w, st));
-      };
+      cuda::Router router(d_rw, nullptr, L.router, L.hidden, tokens);
+      auto route = [&] { router.route(d_x, tokens, d_ids, d_w, st); };
       if (m.exchange_only) route();  // once: the routing the exchange moves by
       auto step = [&] {
         if (!m.exchange_only) route();
