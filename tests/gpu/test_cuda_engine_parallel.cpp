@@ -51,11 +51,14 @@ std::unique_ptr<cuda::Engine> load(const std::string& dir, int tp, int ep, bool 
 }
 
 // The one-GPU engine's bound against transformers (test_cuda_engine.cpp) covers two bf16 runs
-// that round differently: 4% of the largest logit magnitude, at least 2e-3. FP8 weights take
-// its FP8 bound, 10%: one GPU and several may run them through different paths, each within
-// that bound of the reference: the experts' GEMV (bf16 activations) or W8A8 GEMM (activations
-// rounded to E4M3) by the rows an exchange hands them, which count the other groups' padding
-// rows, and under tp the attention projections widened to bf16 where one GPU runs them W8A8.
+// that round differently: 4% of the largest logit magnitude, at least 2e-3. FP8 weights under
+// tp or on four GPUs take its FP8 bound, 10%: there one GPU and several run them through
+// different paths, each within that bound of the reference: under tp the attention projections
+// cut from bf16 copies (shares that are not whole blocks) where one GPU runs them W8A8 (qwen3_moe_fp8
+// on two H100s: 0.170 against a bound of 0.113), and on four GPUs the experts' GEMV (bf16
+// activations) or W8A8 GEMM (activations rounded to E4M3) by the rows an exchange hands them,
+// which count the other groups' padding rows. FP8 with whole attention on two GPUs keeps the
+// bf16 bound.
 double logit_bound(double scale, bool fp8 = false) { return std::max((fp8 ? 0.10 : 0.04) * scale, 2e-3); }
 
 // With `hold` > 0, that many sequences are opened first and kept open meanwhile: under dp they
@@ -89,7 +92,7 @@ void expect_one_gpu_answers(const std::string& name, int n, dist::EpBackend back
   auto unfused = load(dir, tp, n, true, false, backend, dp);
   const ModelConfig& mc = one->config();
   const int64_t vocab = mc.vocab_size, k = std::max<int64_t>(mc.moe.top_k, 1);
-  const bool fp8 = mc.quant.fp8;
+  const bool fp8 = mc.quant.fp8 && (tp > 1 || n >= 4);  // the FP8 bound (above)
   auto ref = reference(dir);
   size_t compared = 0, rows_checked = 0;
   bool all_equal = true;
