@@ -655,8 +655,8 @@ cudaError_t run_tile(const ExpertBuffers& b, const void* x, const float* weights
   const long long stride = shape.sums.split_stride;
   if (b.gate_up_scales != nullptr) {
     // FP8 keeps a stage's products beside the sums, so a consumer takes at most 128 weight rows
-    // (64 + 128 accumulators a thread): 64-row tiles split 256 weight rows over both consumers,
-    // 128-row tiles take 128 weight rows whether narrow or not.
+    // (64 sums and 64 products a thread): 64-row tiles split 256 weight rows over both
+    // consumers, 128-row tiles take 128 weight rows whether narrow or not.
     if (tile_m == 64)
       return narrow ? run_gemms<64, 128, false, true>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream)
                     : run_gemms<64, 256, false, true>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream);
