@@ -562,36 +562,28 @@ __device__ __forceinline__ bool grouped_item(const int* active, const int* num_a
   return row < rows;
 }
 
-// gate_up: R intermediate rows a warp (rows past the end: the last one again, not stored); R is
-// 1 (grouped_rows).
+// gate_up: one intermediate row a warp (its gate and up rows), as arrays of one row for
+// gate_up_act.
 template <int C, typename W>  // 16-byte chunks of a weight row per lane
 __global__ void __launch_bounds__(kGroupedWarps * 32, kGroupedMinBlocks) grouped_gate_up_kernel(
     const __nv_bfloat16* __restrict__ x, const void* __restrict__ w_gate_up, const float* __restrict__ scales,
     const int* __restrict__ offsets, const int* __restrict__ order, const int* __restrict__ active,
     const int* __restrict__ num_active, int hidden, int inter, int top_k,
     __nv_bfloat16* __restrict__ act) {
-  constexpr int R = 1;
   begin_dependent();  // the plan's
-  int e, j0;
-  if (!grouped_item<R>(active, num_active, inter, e, j0)) return;
+  int e, j;
+  if (!grouped_item<1>(active, num_active, inter, e, j)) return;
   const int lane = threadIdx.x % 32;
   const int chunks = hidden / W::kValues;
-  uint4 gr[R][C], ur[R][C];
-  const float* gsc[R];
-  const float* usc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int j = min(j0 + r, inter - 1);
-    load_gate_up_rows(W::row(w_gate_up, e, 2 * inter, j, hidden), W::row(w_gate_up, e, 2 * inter, inter + j, hidden),
-                      chunks, lane, [](const uint4* p) { return __ldg(p); }, gr[r], ur[r]);
-    gsc[r] = W::row_scales(scales, e, 2 * inter, j, hidden);
-    usc[r] = W::row_scales(scales, e, 2 * inter, inter + j, hidden);
-  }
+  uint4 gr[1][C], ur[1][C];
+  load_gate_up_rows(W::row(w_gate_up, e, 2 * inter, j, hidden), W::row(w_gate_up, e, 2 * inter, inter + j, hidden),
+                    chunks, lane, [](const uint4* p) { return __ldg(p); }, gr[0], ur[0]);
+  const float* const gsc[1] = {W::row_scales(scales, e, 2 * inter, j, hidden)};
+  const float* const usc[1] = {W::row_scales(scales, e, 2 * inter, inter + j, hidden)};
   for (int p = offsets[e]; p < offsets[e + 1]; ++p) {
     const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)(order[p] / top_k) * hidden);
-    gate_up_act<R, C, W>(gr, ur, gsc, usc, xr, chunks, lane, [&](int r, __nv_bfloat16 v) {
-      if (j0 + r < inter) act[(size_t)p * inter + j0 + r] = v;
-    });
+    gate_up_act<1, C, W>(gr, ur, gsc, usc, xr, chunks, lane,
+                         [&](int, __nv_bfloat16 v) { act[(size_t)p * inter + j] = v; });
   }
 }
 
