@@ -14,11 +14,13 @@
 #include <cstdio>
 #include <fstream>
 #include <random>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
 #include "backend/cuda/engine/device_model.h"
 #include "backend/cuda/engine/projection.h"
+#include "backend/cuda/moe/moe_heuristics.h"
 #include "backend/cuda/ops/fill_launch.h"
 #include "backend/cuda/ops/fp8_blocks_launch.h"
 #include "backend/cuda/ops/gemm_fp8_rows_launch.h"
@@ -207,8 +209,10 @@ TEST(CudaFp8, ExpertsOnTheQwenShapeFromDecodeToPrefill) {
   REQUIRE_GPU();
   std::mt19937 rng(11);
   const Fp8Layer l = make_layer(128, 2048, 768, rng);
-  // 2000 tokens: 125 rows an expert, 128-row tiles on the Hopper path.
-  for (int64_t tokens : {1, 3, 8, 33, 200, 300, 2000}) {
+  // 2000 tokens: 125 rows an expert, 128-row tiles on the Hopper path. 16 tokens route as many
+  // rows as there are experts, the last M on the Hopper path's blocks of 128 weight rows; 17 the
+  // first on its blocks of 256 (wgmma_fp8_narrow_tiles).
+  for (int64_t tokens : {1, 3, 8, 16, 17, 33, 200, 300, 2000}) {
     const auto ids = route(128, tokens, 8, 0.97, rng);
     for (ExpertPath p : {ExpertPath::kAuto, ExpertPath::kGemv, ExpertPath::kGemm, ExpertPath::kWgmma}) {
       if (p == ExpertPath::kGemv && tokens > 256) continue;
@@ -268,6 +272,26 @@ TEST(CudaFp8, HopperGemmMatchesTheCpuAndTheMmaSyncGemm) {
       std::printf("%s M=%lld: wgmma rel %.2e, mma.sync rel %.2e, apart %.2e\n", c.what,
                   static_cast<long long>(tokens), wgmma.rel, gemm.rel, d);
     }
+  }
+}
+
+// The block width of the FP8 wgmma path at the row counts it was measured at (H100, 2026-11-27,
+// bench/gpu_fp8_h100.md): 128 weight rows while the routed rows are at most the experts, else
+// the general rule's, which for these shapes is 256.
+TEST(CudaFp8, HopperBlocksNarrowOnlyWhereExpertsAverageAtMostOneRow) {
+  namespace hx = cuda::heuristics;
+  struct Shape {
+    int64_t experts, top_k, hidden;
+  };
+  const Shape qwen{128, 8, 2048}, deepseek{256, 8, 7168};
+  for (const auto& [shape, tokens, narrow] : {std::tuple{qwen, 4, true}, {qwen, 8, true}, {qwen, 16, true},
+                                              {qwen, 17, false}, {qwen, 32, false}, {deepseek, 8, true},
+                                              {deepseek, 32, true}, {deepseek, 64, false}}) {
+    const int64_t slots = tokens * shape.top_k;
+    EXPECT_EQ(hx::wgmma_fp8_narrow_tiles(slots, shape.experts), narrow) << "M=" << tokens;
+    const int tile = hx::wgmma_fp8_tile_m(tokens, shape.top_k, shape.experts);
+    EXPECT_FALSE(hx::wgmma_narrow_tiles(hx::max_row_tiles(slots, shape.experts, tile), shape.hidden, 132))
+        << "M=" << tokens << ": the general rule alone would already narrow the blocks";
   }
 }
 

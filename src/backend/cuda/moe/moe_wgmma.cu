@@ -28,7 +28,9 @@ cudaError_t launch_shape(const ExpertBuffers& b, int tokens, int tile_m, LaunchS
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&s->sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  s->narrow = heuristics::wgmma_narrow_tiles(s->max_tiles, b.hidden, s->sms);
+  const bool fp8 = b.gate_up_scales != nullptr;
+  s->narrow = heuristics::wgmma_narrow_tiles(s->max_tiles, b.hidden, s->sms) ||
+              (fp8 && heuristics::wgmma_fp8_narrow_tiles(static_cast<int64_t>(tokens) * b.top_k, b.experts));
   s->sums = PartialSums{};
   s->sums.splits = s->narrow ? heuristics::wgmma_down_splits(s->max_tiles, b.hidden, b.inter) : 1;
   s->sums.bf16 = s->sums.splits == 1;
