@@ -205,12 +205,12 @@ inline bool wgmma_narrow_tiles(int64_t max_row_tiles, int64_t hidden, int multip
   return max_row_tiles * ((hidden + 255) / 256) < multiprocessors;
 }
 
-// FP8 experts also take 128-row blocks where they average at most one routed row: the items,
-// each a weight stream with next to no rows, then come in waves that leave fewer
+// FP8 experts also take blocks of 128 weight rows where they average at most one routed row:
+// the items, each a weight stream with next to no rows, then come in waves that leave fewer
 // multiprocessors idle at the end (qwen3-30b-a3b at M = 8: 54 touched experts x 6 gate_up column
 // tiles = 324 items, 2.5 waves of 132, against 648, 4.9 waves). Measured (moe-bench layer
 // --device cuda --preset qwen3-30b-a3b --dtype fp8, H100, 2026-11-27, forced both ways, µs,
-// 256 -> 128 rows): M = 4 83.1-83.4 -> 81.4-81.5, 8: 122.3-122.7 -> 119.1-119.5, 16: 169.0-169.2
+// 256 -> 128 weight rows a block): M = 4 83.1-83.4 -> 81.4-81.5, 8: 122.3-122.7 -> 119.1-119.5, 16: 169.0-169.2
 // -> 166.9-168.2; past one row an expert it stops paying (32: 205.1-205.4 -> 203.6-204.3, 64:
 // 233.5-234.3 -> 236.3-237.0). deepseek-v3, at its floor either way: M = 8 910.0 -> 905.1, 32
 // (one row an expert) 2482.6-2484.3 -> 2488.8-2490.1. bf16 lost at every M measured (32 to 256
