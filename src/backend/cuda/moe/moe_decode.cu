@@ -164,6 +164,16 @@ struct OneTokenRouting {
   }
 };
 
+// Blocks a multiprocessor the persistent kernels below are compiled for (their register cap):
+// kGemvMinBlocks (168 registers), or 4 (128) where the loads in flight fit 128 registers without
+// spilling and the extra warps measured faster. gate_up for several tokens with at most 128
+// bytes of a gate and an up row a lane (FP8 rows of hidden 2048: 4 chunks each): qwen3-30b-a3b-fp8
+// decode batch 3 -1.6% (H200); at one token it measured 0.4% slower, and bf16's 256 bytes spill.
+template <typename Route>
+constexpr int gate_up_min_blocks(int chunks) {
+  return std::is_same_v<Route, Routing> && 2 * chunks * 16 <= 128 ? 4 : kGemvMinBlocks;
+}
+
 // Persistent: warp w of the grid takes items w, w + warps, ...; item = (active expert, row j):
 // the gate and up rows (C 16-byte chunks per lane each, all loads issued before the first use),
 // applied to each of the expert's slots; act[slot, j] = bf16(SiLU(gate) * up). Consecutive warps
@@ -173,7 +183,7 @@ struct OneTokenRouting {
 // against 736; bench/gpu_fp8_h100.md).
 // C: 16-byte chunks of a row per lane; Route: Routing or OneTokenRouting; W: weight_rows.cuh.
 template <int C, typename Route, typename W>
-__global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) gate_up_kernel(
+__global__ void __launch_bounds__(kGemvWarps * 32, gate_up_min_blocks<Route>(C)) gate_up_kernel(
     const __nv_bfloat16* __restrict__ x, const void* __restrict__ w_gate_up, const float* __restrict__ scales,
     const int* __restrict__ ids, int slots, int hidden, int inter, int top_k,
     __nv_bfloat16* __restrict__ act) {
@@ -208,11 +218,21 @@ constexpr int down_rows(int chunks) {
   return bytes <= 32 ? 8 : bytes <= 64 ? 4 : bytes <= 96 ? 2 : 1;
 }
 
+// down for one token over FP8 rows in 8-byte chunks (Fp8NarrowRows: 8 rows an item, 192 bytes a
+// lane): 4 blocks a multiprocessor. qwen3-30b-a3b-fp8's 2048 items then run as one round on 2112
+// resident warps instead of 1.3 rounds on 1584: decode batch 1 -1.4% (H200), with 40 bytes of
+// spills. Several tokens (the routing's rank loop spills more at 128 registers) measured 0.7%
+// slower, bf16's one-token rows unchanged, and wider FP8 rows spill 100 bytes.
+template <typename Route, typename W>
+constexpr int down_min_blocks() {
+  return std::is_same_v<Route, OneTokenRouting> && sizeof(typename W::Chunk) == 8 ? 4 : kGemvMinBlocks;
+}
+
 // Persistent like gate_up; item = (active expert, R consecutive rows of down). The first item's
 // weights are loaded before waiting for gate_up (they do not depend on it): that is what fills
 // gate_up's tail. part[slot, h] = weight[slot] * (down[h] . act[slot]).
 template <int C, typename Route, typename W>  // C: chunks of a down row per lane
-__global__ void __launch_bounds__(kGemvWarps * 32, kGemvMinBlocks) down_kernel(
+__global__ void __launch_bounds__(kGemvWarps * 32, down_min_blocks<Route, W>()) down_kernel(
     const __nv_bfloat16* __restrict__ act, const void* __restrict__ w_down, const float* __restrict__ scales,
     const int* __restrict__ ids, int slots, const float* __restrict__ weights,
     int hidden, int inter, float* __restrict__ part) {
