@@ -39,34 +39,47 @@ struct DeviceMem {
   T* as() const { return static_cast<T*>(p); }
 };
 
+// A peer's time at one M, with the experts its routing draw touched (its bytes): the draws are
+// random, so at small M a peer may have read fewer experts than this run does.
+struct PeerPoint {
+  double us = 0;  // 0: not measured
+  int64_t touched = 0;
+};
+
+PeerPoint peer_at(const int64_t m, const double* us, const int64_t* touched) {
+  static const int64_t ms[] = {1, 8, 32, 128, 512, 2048, 8192};
+  for (int i = 0; us && i < 7; ++i)
+    if (ms[i] == m) return {us[i], touched[i]};
+  return {};
+}
+
 // vLLM fused_moe (Triton), µs, from shared/peers/README.md (moe_layer_h100.jsonl and
 // moe_layer_h200.jsonl): routing and alignment excluded. The H200 figures where the device here
-// is an H200, else the H100 ones. 0: not measured.
-double vllm_us(const char* name, int64_t m, bool h200) {
-  static const int64_t ms[] = {1, 8, 32, 128, 512, 2048, 8192};
+// is an H200, else the H100 ones (the same routing draws on both).
+PeerPoint vllm_bf16(const char* name, int64_t m, bool h200) {
   static const double qwen_h100[] = {50.0, 196.9, 374.1, 436.8, 497.0, 642.0, 1581.0};
   static const double qwen_h200[] = {38.0, 138.0, 266.0, 309.0, 339.0, 516.0, 1479.0};
+  static const int64_t qwen_touched[] = {8, 53, 113, 128, 128, 128, 128};
   static const double dsv2_h100[] = {57.0, 232.0, 397.0, 524.0, 619.0, 1232.0, 4059.0};
   static const double dsv2_h200[] = {46.0, 167.0, 271.0, 400.0, 469.0, 1057.0, 3516.0};
+  static const int64_t dsv2_touched[] = {6, 34, 61, 64, 64, 64, 64};
   const std::string n(name);
-  const double* row = n == "qwen3-30b-a3b" ? (h200 ? qwen_h200 : qwen_h100)
-                      : n == "deepseek-v2-lite" ? (h200 ? dsv2_h200 : dsv2_h100) : nullptr;
-  for (int i = 0; row && i < 7; ++i)
-    if (ms[i] == m) return row[i];
-  return 0;
+  if (n == "qwen3-30b-a3b") return peer_at(m, h200 ? qwen_h200 : qwen_h100, qwen_touched);
+  if (n == "deepseek-v2-lite") return peer_at(m, h200 ? dsv2_h200 : dsv2_h100, dsv2_touched);
+  return {};
 }
 
 // vLLM fused_moe on the W8A8 128 x 128 block path, µs, H100, activation quantisation included
-// (shared/peers/README.md, vllm_fp8_layer_h100.txt). 0: not measured.
-double vllm_fp8_us(const char* name, int64_t m) {
-  static const int64_t ms[] = {1, 8, 32, 128, 512, 2048, 8192};
+// (shared/peers/README.md, vllm_fp8_layer_h100.txt).
+PeerPoint vllm_fp8(const char* name, int64_t m) {
   static const double qwen[] = {34.8, 113.5, 217.5, 262.9, 304.5, 555.9, 1769.2};
+  static const int64_t qwen_touched[] = {8, 46, 108, 128, 128, 128, 128};
   static const double dsv3[] = {153.0, 975.3, 2495.1, 3879.4, 4124.7, 5191.2, 12235.6};
+  static const int64_t dsv3_touched[] = {8, 62, 165, 254, 256, 256, 256};
   const std::string n(name);
-  const double* row = n == "qwen3-30b-a3b" ? qwen : n == "deepseek-v3" ? dsv3 : nullptr;
-  for (int i = 0; row && i < 7; ++i)
-    if (ms[i] == m) return row[i];
-  return 0;
+  if (n == "qwen3-30b-a3b") return peer_at(m, qwen, qwen_touched);
+  if (n == "deepseek-v3") return peer_at(m, dsv3, dsv3_touched);
+  return {};
 }
 
 // count x [rows, cols] FP8 weights for the bench: codes from the whole E4M3 range but NaN, a
@@ -206,7 +219,9 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
                   "S * sin(12.9898 * e) added to expert e's logits; no vLLM figure then, as "
                   "those are for uniform routing); floor = max(bytes / copy bandwidth measured "
                   "here, FLOPs / matmul_TFLOPs: 748 for bf16, the FP8 rate measured here by "
-                  "cuBLASLt 8192^3 for fp8); rel_err on up to 128 rows";
+                  "cuBLASLt 8192^3 for fp8); rel_err on up to 128 rows; vllm_us: the peer's figure at this M "
+                  "(shared/peers), vllm_touched: the experts its routing draw touched, "
+                  "vllm_us_at_these_bytes: its time scaled by this run's bytes over those of its draw";
   if (!a.json) {
     std::printf("moe-bench layer %s --device cuda: %s, copy %.0f GB/s measured; %s, routed experts only; "
                 "compute floor at %.0f TFLOP/s%s\n",
@@ -215,8 +230,11 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
     if (a.routing_skew > 0)
       std::printf("routing skew %g: expert loads uneven; no vLLM figures (theirs are for uniform routing)\n",
                   a.routing_skew);
-    std::printf("%6s %6s %8s %10s %10s %8s %8s %8s %9s %9s %10s\n", "M", "path", "touched",
-                "median_us", "floor_us", "GB/s", "TFLOP/s", "floor/t", "vllm_us", "vllm/t", "rel_err");
+    // vllm/t: the peer's time over ours; at_bytes: the same with the peer's time scaled to the
+    // bytes this run reads (its draw touched vllm_tch experts, this one `touched`).
+    std::printf("%6s %6s %8s %10s %10s %8s %8s %8s %9s %9s %8s %9s %10s\n", "M", "path", "touched",
+                "median_us", "floor_us", "GB/s", "TFLOP/s", "floor/t", "vllm_us", "vllm/t", "vllm_tch",
+                "at_bytes", "rel_err");
   }
   for (int64_t m : sweep) {
     std::vector<float> logits(static_cast<size_t>(m * experts));
@@ -257,11 +275,17 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
     const int64_t max_load = *std::max_element(load.begin(), load.end());
     // FP8: a byte a weight and an f32 scale per 128 x 128 block.
     const double weight_bytes = fp8 ? 1.0 + 4.0 / (128.0 * 128.0) : 2.0;
-    const double bytes = touched * 3.0 * hidden * inter * weight_bytes + 2.0 * m * hidden * 2;
+    const double expert_bytes = 3.0 * hidden * inter * weight_bytes, act_bytes = 2.0 * m * hidden * 2;
+    const double bytes = static_cast<double>(touched) * expert_bytes + act_bytes;
     const double flops = 2.0 * m * top_k * 3.0 * hidden * inter;
     const double floor_us = std::max(bytes / copy_bw, flops / matmul_flops) * 1e6;
     const bool h200 = std::string(prop.name).find("H200") != std::string::npos;
-    const double vllm = a.routing_skew > 0 || (fp8 && h200) ? 0.0 : fp8 ? vllm_fp8_us(name, m) : vllm_us(name, m, h200);
+    const PeerPoint vllm = a.routing_skew > 0 || (fp8 && h200) ? PeerPoint{} : fp8 ? vllm_fp8(name, m)
+                                                                                   : vllm_bf16(name, m, h200);
+    // The peer's time at this run's bytes: weights scale with the experts touched, the
+    // activations are the same M.
+    const double vllm_at_bytes =
+        vllm.us > 0 ? vllm.us * bytes / (static_cast<double>(vllm.touched) * expert_bytes + act_bytes) : 0.0;
 
     // The heuristics' path first, then the others where they can run this M (to place the switches).
     const cuda::ExpertPath chosen = core.path_for(m);
@@ -317,12 +341,18 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
                        {"max_us", s.max}, {"floor_us", floor_us},
                        {"GBps", bytes / (s.median * 1e-6) / 1e9},
                        {"TFLOPs", flops / (s.median * 1e-6) / 1e12}, {"rel_err", rel}};
-      if (vllm > 0) j["vllm_us"] = vllm;
+      if (vllm.us > 0) {
+        j["vllm_us"] = vllm.us;
+        j["vllm_touched"] = vllm.touched;
+        j["vllm_us_at_these_bytes"] = vllm_at_bytes;
+      }
       doc["points"].push_back(j);
       if (!a.json) {
         // No vLLM figure for this shape or routing: dashes, not zeros.
-        const std::string peer = vllm > 0 ? fmt::format("{:9.1f} {:9.2f}", vllm, vllm / s.median)
-                                          : fmt::format("{:>9} {:>9}", "-", "-");
+        const std::string peer =
+            vllm.us > 0 ? fmt::format("{:9.1f} {:9.2f} {:8d} {:9.2f}", vllm.us, vllm.us / s.median, vllm.touched,
+                                      vllm_at_bytes / s.median)
+                        : fmt::format("{:>9} {:>9} {:>8} {:>9}", "-", "-", "-", "-");
         std::printf("%6lld %5s%s %8lld %10.2f %10.2f %8.0f %8.2f %8.2f %s %10.2e\n",
                     (long long)m, path_name(path), path == chosen ? "*" : " ", (long long)touched,
                     s.median, floor_us, bytes / (s.median * 1e-6) / 1e9,
