@@ -3,12 +3,12 @@
 #include "backend/cuda/engine/engine_rank.h"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
 
 #include "backend/cuda/attention/attention_launch.h"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/engine/decode_buckets.h"
 #include "backend/cuda/attention/latent_attention_launch.h"
 #include "backend/cuda/ops/ops_launch.h"
 #include "backend/cuda/engine/projection.h"
@@ -117,20 +117,12 @@ void Rank::setup(const std::string& dir) {
   meta = carve_meta(meta_arena, max_tokens, max_rows, max_blocks);
   MOE_CUDA_CHECK(cudaMallocHost(&meta_host, meta_arena.capacity()));
 
-  // Four graph buckets per doubling (1, 2, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, ...), so that a
-  // step pads by less than a quarter of its rows: padding rows take no expert but still run the
-  // dense projections, attention, the lm_head and sampling. Three rows run as four (one inert):
-  // replayed in a graph, qwen3-30b-a3b's 3-row step took 7.31 ms against 6.38 ms as four rows
-  // (H100), its experts on the plan-free GEMV (24 slots) rather than the grouped one. Each
-  // bucket's graph is captured on its first use.
-  // Under dp with tp > 1 the buckets are rounded to the row unit.
-  auto add_bucket = [&](int b) {
-    const int rounded = static_cast<int>(round_to_unit(b, opts));
-    if (buckets.empty() || buckets.back() < rounded) buckets.push_back(rounded);
-  };
-  for (int b = 1; b < opts.max_batch; b += std::max(1, static_cast<int>(std::bit_floor(static_cast<unsigned>(b)) / 4)))
-    if (b != 3) add_bucket(b);
-  add_bucket(opts.max_batch);
+  // The decode graphs' buckets (decode_buckets.h): three rows get their own where this one GPU's
+  // routed experts are FP8.
+  bool fp8_experts = false;
+  for (const DeviceLayer& L : model->layers) fp8_experts = fp8_experts || (L.experts && L.experts->format().scaled());
+  buckets = decode_buckets(static_cast<int>(opts.max_batch), static_cast<int>(row_unit(opts)),
+                           own_bucket_for_three_rows(fp8_experts, ranks));
   // One output for every graph: the graphs run one at a time, and the host reads a step's
   // tokens before the next step starts.
   const size_t rows = static_cast<size_t>(max_rows);
