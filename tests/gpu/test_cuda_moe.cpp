@@ -535,8 +535,9 @@ TEST_P(PathsAgree, GemvAndGemmOnTheQwenShape) {
 INSTANTIATE_TEST_SUITE_P(CudaMoe, PathsAgree, ::testing::Values(33, 200),
                          [](const ::testing::TestParamInfo<int64_t>& i) { return "M" + std::to_string(i.param); });
 
-// The GEMV path's two forms: up to 24 routed slots the warps read the ids themselves (qwen3
-// M <= 3, deepseek-v2-lite M <= 4), past that the plan kernel and v2's grouped kernels.
+// The GEMV path's two forms: up to heuristics::gemv_direct_max_slots routed slots (bf16 here: 16,
+// qwen3 and deepseek-v2-lite M <= 2) the warps read the ids themselves, past that the plan
+// kernel and v2's grouped kernels.
 // Both shapes at the decode sizes either side of the switch, against the CPU (bound kBound).
 TEST(CudaMoe, GemvSmallBatchesEitherSideOfThePlanSwitch) {
   REQUIRE_GPU();
@@ -547,25 +548,28 @@ TEST(CudaMoe, GemvSmallBatchesEitherSideOfThePlanSwitch) {
     EXPECT_LE(run(q, t, 8, ids, ExpertPath::kGemv, rng).rel, kBound) << "qwen3 M=" << t;
   }
   const Layer d = make_layer(64, 2048, 1408, rng);
-  for (int64_t t : {1, 2, 5, 6, 16}) {
+  for (int64_t t : {1, 2, 3, 5, 6, 16}) {
     const auto ids = route(64, t, 6, 0.95, rng);
     EXPECT_LE(run(d, t, 6, ids, ExpertPath::kGemv, rng).rel, kBound) << "deepseek-v2-lite M=" << t;
   }
 }
 
-// Without the plan, slots that share an expert must all be found (here 3 tokens on the same 8
-// experts: 24 slots, 8 experts with 3 each; and one token whose k slots repeat an expert, which
-// the router never produces but the GEMV must still sum right). Widths: gate_up rows of one
-// 16-byte chunk per lane (hidden 64: 8 down rows per warp) and down rows of 225 chunks (inter
-// 1800: eight chunks per lane, the last partly past the row). Bound kBound.
+// Without the plan, slots that share an expert must all be found (here 2 tokens on the same 8
+// experts: 16 slots, the plan-free form's most for bf16, 8 experts with 2 each; the same with 3
+// tokens, past it, on the grouped form; and one token whose k slots repeat an expert, which the
+// router never produces but the GEMV must still sum right). Widths: gate_up rows of one 16-byte
+// chunk per lane (hidden 64: 8 down rows per warp) and down rows of 225 chunks (inter 1800: eight
+// chunks per lane, the last partly past the row). Bound kBound.
 TEST(CudaMoe, GemvDirectRoutingSharedExpertsAndNarrowWidths) {
   REQUIRE_GPU();
   std::mt19937 rng(22);
   const Layer l = make_layer(16, 64, 1800, rng);
-  std::vector<int32_t> same;
-  for (int t = 0; t < 3; ++t)
-    for (int32_t e : {0, 2, 3, 7, 8, 11, 14, 15}) same.push_back(e);
-  EXPECT_LE(run(l, 3, 8, same, ExpertPath::kGemv, rng).rel, kBound);
+  for (int tokens : {2, 3}) {
+    std::vector<int32_t> same;
+    for (int t = 0; t < tokens; ++t)
+      for (int32_t e : {0, 2, 3, 7, 8, 11, 14, 15}) same.push_back(e);
+    EXPECT_LE(run(l, tokens, 8, same, ExpertPath::kGemv, rng).rel, kBound) << tokens << " tokens";
+  }
   EXPECT_LE(run(l, 1, 4, {5, 5, 9, 5}, ExpertPath::kGemv, rng).rel, kBound);
   // Past the plan switch with more row items than the persistent grid has warps (a GEMV-only
   // width: 520 is no multiple of 64, so 300 tokens are allowed).

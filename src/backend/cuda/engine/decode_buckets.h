@@ -10,14 +10,15 @@
 
 namespace moe::cuda::engine {
 
-// Whether three rows get a bucket of their own, or run as four with one inert. Measured on an H100
-// (qwen3-30b-a3b, replayed graphs, 128- and 2048-token contexts; bench/gpu_fp8_h100.md):
-//  - FP8 experts: three exact rows take the plan-free GEMV and four the wgmma W8A8 GEMM, and three
-//    rows step 10% faster on their own (4.01 against 4.49 ms, 4.38 against 4.88);
-//  - bf16 experts: three rows step 11-12% faster as four (5.95 against 6.66 ms, 6.31 against
-//    7.00), the grouped GEMV past the plan-free one's 24 slots.
+// Whether three rows get a bucket of their own, or run as four with one inert. On one GPU three
+// rows step faster on their own in both formats (H100, replayed graphs; bench/gpu_fp8_h100.md):
+//  - FP8 experts: three exact rows take the plan-free GEMV, four the wgmma W8A8 GEMM: qwen3-30b-a3b
+//    4.01 against 4.49 ms at 128-token contexts, 4.38 against 4.88 at 2048;
+//  - bf16 experts: three exact rows take the grouped GEMV as four do (gemv_direct_max_slots):
+//    qwen3-30b-a3b 5.86 against 5.97 ms, deepseek-v2-lite 4.82 against 5.67. (On the plan-free
+//    GEMV they were slower than four: 6.69 ms; that is why three ran as four before.)
 // Several GPUs keep three as four (not measured there).
-inline bool own_bucket_for_three_rows(bool fp8_experts, int gpus) { return fp8_experts && gpus == 1; }
+inline bool own_bucket_for_three_rows(int gpus) { return gpus == 1; }
 
 // Four buckets per doubling (1, 2, 3 or not, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, ...) and
 // max_batch, so that a step pads by less than a quarter of its rows; each rounded up to a multiple

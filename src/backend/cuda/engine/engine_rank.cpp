@@ -117,12 +117,9 @@ void Rank::setup(const std::string& dir) {
   meta = carve_meta(meta_arena, max_tokens, max_rows, max_blocks);
   MOE_CUDA_CHECK(cudaMallocHost(&meta_host, meta_arena.capacity()));
 
-  // The decode graphs' buckets (decode_buckets.h): three rows get their own where this one GPU's
-  // routed experts are FP8.
-  bool fp8_experts = false;
-  for (const DeviceLayer& L : model->layers) fp8_experts = fp8_experts || (L.experts && L.experts->format().scaled());
+  // The decode graphs' buckets (decode_buckets.h): three rows get their own on one GPU.
   buckets = decode_buckets(static_cast<int>(opts.max_batch), static_cast<int>(row_unit(opts)),
-                           own_bucket_for_three_rows(fp8_experts, ranks));
+                           own_bucket_for_three_rows(ranks));
   // One output for every graph: the graphs run one at a time, and the host reads a step's
   // tokens before the next step starts.
   const size_t rows = static_cast<size_t>(max_rows);

@@ -3,8 +3,8 @@
 // weight row is read once, with 16-byte streaming loads, and applied to all of that expert's
 // tokens.
 //
-// Two forms, switched at heuristics::kGemvDirectMaxSlots routed slots
-// (docs/perf/decode-direct-gemv.md):
+// Two forms, switched at heuristics::gemv_direct_max_slots routed slots (24 for FP8 experts, 16
+// for bf16; docs/perf/decode-direct-gemv.md):
 //  - direct (decode, M of 1 to 3): no plan kernel; the warps read the ids themselves (one slot
 //    per lane). Persistent grids (a warp loops over weight rows: no block churn, no tail of short
 //    blocks) chained by programmatic dependent launch, so each grid is resident before its
@@ -669,9 +669,9 @@ void launch_grouped_down(dim3 grid, cudaStream_t stream, const __nv_bfloat16* ac
                    static_cast<float*>(b.part));
 }
 
-// Past kGemvDirectMaxSlots: the plan, then one short block per (touched expert, 4 rows), the v2
-// of docs/perf/decode-expert-gemv.md. The persistent kernels above, fed by the plan instead of the
-// ids, ran 5-15% slower here (each item's expert, offsets and slot list cost dependent L2 round
+// Past heuristics::gemv_direct_max_slots: the plan, then one short block per (touched expert, 4
+// rows), the v2 of docs/perf/decode-expert-gemv.md. The persistent kernels above, fed by the plan
+// instead of the ids, ran 5-15% slower here (each item's expert, offsets and slot list cost dependent L2 round
 // trips before its weight loads could issue; docs/perf/decode-direct-gemv.md).
 template <typename W>
 cudaError_t launch_grouped(const ExpertBuffers& b, const void* x, const float* weights, int tokens,
@@ -742,7 +742,7 @@ cudaError_t launch_decode(const ExpertBuffers& b, const void* x, const int* ids,
   if (fp8 && (b.down_scales == nullptr || b.hidden % 16 != 0 || b.inter % Fp8Rows::kBlock != 0))
     return cudaErrorInvalidValue;
   cudaError_t err;
-  if (tokens * b.top_k <= heuristics::kGemvDirectMaxSlots) {
+  if (tokens * b.top_k <= heuristics::gemv_direct_max_slots(fp8)) {
     // One token with the plain combine: down and the combine are one grid (down_combine_kernel).
     const bool fused = tokens == 1 && b.leave_partials == nullptr && b.norm.x == nullptr;
     void* out = fused ? y : nullptr;

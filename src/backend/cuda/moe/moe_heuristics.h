@@ -60,6 +60,16 @@ constexpr double kGemvMaxSlotsPerExpert = 1.25;
 // 58.6, M = 2 (12) 90.0 vs 93.5, M = 3 (18) 114.6 vs 116.5, M = 4 (24) 147.1 vs 144.5. The fixed
 // cost it saves (plan launch, launch gaps) stays ~5 µs while its per-row latency grows with M.
 constexpr int kGemvDirectMaxSlots = 24;
+// bf16 experts keep the plan-free form to at most 16 slots (two tokens at top-6 or top-8): in a
+// replayed decode graph, three tokens on it ran slower than on the plan and the grouped kernels,
+// though one layer timed alone (above) ran faster. H100, 2026-11-27, moe-bench model, 3-row steps
+// in a graph of their own, ms: qwen3-30b-a3b (24 slots) 6.69-6.70 against 5.86-5.87,
+// deepseek-v2-lite (18) 5.48 against 4.82-4.83; two tokens stay faster plan-free (qwen3 4.70
+// against 4.94, deepseek-v2-lite 3.97-4.00 against 4.06-4.08). FP8 experts keep it to
+// kGemvDirectMaxSlots: past it they take the wgmma GEMM (prefer_gemv_fp8), slower at 3 tokens.
+// Top-2 shapes (Mixtral: 9-12 tokens in 18-24 slots) were not measured.
+constexpr int kGemvDirectMaxSlotsBf16 = 16;
+inline int gemv_direct_max_slots(bool fp8) { return fp8 ? kGemvDirectMaxSlots : kGemvDirectMaxSlotsBf16; }
 // The GEMV keeps f32 partial sums [slots, hidden]; the GEMM path keeps bf16 ones (half the
 // traffic at prefill sizes). Where both paths exist the workspace holds the bf16 sums for
 // max_tokens and f32 ones for at most this many tokens, the GEMV's limit there.
