@@ -416,7 +416,9 @@ TEST_P(WgmmaAgreesWithGemm, DeepSeekV2LiteShape) {
                             "M=" + std::to_string(t));
 }
 INSTANTIATE_TEST_SUITE_P(CudaMoe, WgmmaAgreesWithGemm, ::testing::Values(200, 1024, 2048),
-                         [](const ::testing::TestParamInfo<int64_t>& i) { return "M" + std::to_string(i.param); });
+                         [](const ::testing::TestParamInfo<int64_t>& i) {
+                           return std::string("M").append(std::to_string(i.param));  // "M" + ...: GCC 12 -Wrestrict
+                         });
 
 // Ids of `tokens` tokens of two slots each giving expert e load[e] rows: the i-th and
 // (i + tokens)-th of the expert-sorted slot list go to token i, distinct experts as long as no
@@ -533,7 +535,9 @@ TEST_P(PathsAgree, GemvAndGemmOnTheQwenShape) {
   EXPECT_LE(std::sqrt(num / den), kBound) << "M=" << t;
 }
 INSTANTIATE_TEST_SUITE_P(CudaMoe, PathsAgree, ::testing::Values(33, 200),
-                         [](const ::testing::TestParamInfo<int64_t>& i) { return "M" + std::to_string(i.param); });
+                         [](const ::testing::TestParamInfo<int64_t>& i) {
+                           return std::string("M").append(std::to_string(i.param));  // "M" + ...: GCC 12 -Wrestrict
+                         });
 
 // The GEMV path's two forms: up to heuristics::gemv_direct_max_slots routed slots (bf16 here: 16,
 // qwen3 and deepseek-v2-lite M <= 2) the warps read the ids themselves, past that the plan
