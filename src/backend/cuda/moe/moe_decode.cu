@@ -671,8 +671,8 @@ void launch_grouped_down(dim3 grid, cudaStream_t stream, const __nv_bfloat16* ac
 
 // Past heuristics::gemv_direct_max_slots: the plan, then one short block per (touched expert, 4
 // rows), the v2 of docs/perf/decode-expert-gemv.md. The persistent kernels above, fed by the plan
-// instead of the ids, ran 5-15% slower here (each item's expert, offsets and slot list cost dependent L2 round
-// trips before its weight loads could issue; docs/perf/decode-direct-gemv.md).
+// instead of the ids, ran 5-15% slower here (each item's expert, offsets and slot list cost
+// dependent L2 round trips before its weight loads could issue; docs/perf/decode-direct-gemv.md).
 template <typename W>
 cudaError_t launch_grouped(const ExpertBuffers& b, const void* x, const float* weights, int tokens,
                            cudaStream_t stream) {
