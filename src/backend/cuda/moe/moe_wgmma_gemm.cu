@@ -12,8 +12,9 @@
 //    BM = 256 (weight tiles of 128 rows): each takes 128 rows as two m64 sub-tiles, and skips
 //    those that hold no row of the expert (then only keeping the ring turning).
 // A kStages-deep ring of stages with full/empty mbarriers. The full barrier of a stage completes
-// when the TMA bytes have landed and each producer thread has seen its own cp.async group done,
-// fenced it to the async proxy (which the tensor cores read through) and arrived.
+// when the TMA bytes have landed and each producer thread's cp.async copies of the stage have
+// (cp.async.mbarrier.arrive: the thread does not wait for them); a consumer then fences the
+// stage to the async proxy, which the tensor cores read through.
 // gate_up puts 64 (or 128) gate rows and the matching up rows in one tile, so each consumer
 // thread holds gate and up of the same act column. Mixed row tiles (below, picked per forward by
 // the plan) run 128 x 256 and 256 x 128 items in one grid.
@@ -74,10 +75,6 @@ struct Cfg {
   // takes half the tensor-core time: as many as fit in 200 KB, to keep the gathers' L2 latency
   // covered.
   static constexpr int kStages = kFp8 ? (204800 / kStageBytes < 8 ? 204800 / kStageBytes : 8) : BM == 64 ? 5 : 4;
-  // A producer thread arrives on stage kt's full barrier once it has issued stage kt + kLag
-  // (waiting for its own copies of kt then), so that kLag + 1 gathers are in flight per thread
-  // while consumers still find the stage ready one step ahead.
-  static constexpr int kLag = kStages - 2;
   static constexpr int kSmem = 1024 + kStages * kStageBytes + 2 * kStages * 8;
   // Producer warpgroups: two at BM 256, so that a thread gathers 8 rows a stage as at BM 128, not
   // 16. Measured (H100, moe-bench layer, µs, one producer warpgroup -> two): deepseek-v2-lite
@@ -321,12 +318,9 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
           // measured slower (qwen3-30b-a3b M = 2048: 670 -> 682 µs).
           cp_async16(sa + r * 128 + ((chunk ^ (r & 7)) << 4), src, (a_ok >> i) & 1u);
         }
-        cp_async_commit();
-        if (it >= R::kLag) {
-          cp_async_wait<R::kLag>();
-          fence_proxy_async();
-          mbar_arrive(full((it - R::kLag) % S));
-        }
+        // The thread's arrival comes when its copies land, with no wait here: the producer
+        // is held back only by the empty barriers, so every stage of the ring can be in flight.
+        cp_async_arrive(full(s));
       }
     };
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
@@ -339,9 +333,7 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
         produce(std::integral_constant<int, BM>{}, w, f);
       }
     }
-    cp_async_wait<0>();
-    fence_proxy_async();
-    for (int j = it > R::kLag ? it - R::kLag : 0; j < it; ++j) mbar_arrive(full(j % S));
+    cp_async_wait_all();
   } else {
     setmaxnreg_inc<R::kConsumerRegs>();
     const int cw = wg - R::kProducerWGs;  // consumer 0 or 1
@@ -399,6 +391,9 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
         for (int kt = f.kt0; kt < f.kt1; ++kt, ++it) {
           const int s = it % S;
           mbar_wait(full(s), (it / S) & 1);
+          // The gathered rows were written through the generic proxy (cp.async), and the
+          // wgmmas read them through the async proxy: the fence orders the two for this thread.
+          fence_proxy_async();
           if constexpr (N > 0) {
             const uint32_t sa = base + s * R::kStageBytes + a_off;
             const uint32_t sb = base + s * R::kStageBytes + C::kABytes + b_off;
@@ -470,6 +465,7 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
           const int s = it % S;
           if (kt + 1 < f.kt1) load_scales(kt + 1, fill);
           mbar_wait(full(s), (it / S) & 1);
+          fence_proxy_async();  // as in k_loop
           const uint32_t sa = base + s * R::kStageBytes + a_off;
           const uint32_t sb = base + s * R::kStageBytes + C::kABytes + b_off;
           wgmma_fence();
