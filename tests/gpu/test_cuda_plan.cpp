@@ -167,6 +167,14 @@ TEST(CudaPlan, AgreesWithTheHostEitherSideOfTheBlockSwitch) {
   check_plan(random_ids(64, 3000, 6, 0.0, rng), 64, 6, 256, "deepseek-v2-lite routing, 256-row tiles");
   check_plan(random_ids(512, 1000, 10, 0.1, rng), 512, 10, 128, "512 experts");
   check_plan(std::vector<int32_t>(20000, 5), 8, 1, 128, "every slot on one expert");
+  // The one-block plan: a warp whose lanes all hold one expert takes its places with one atomic,
+  // any other warp one a lane; here whole warps of one expert, in one round and in four, and
+  // warps where every other lane shares an expert with half the warp.
+  check_plan(std::vector<int32_t>(1000, 3), 8, 1, 128, "every slot on one expert, one round");
+  check_plan(std::vector<int32_t>(4000, 3), 8, 1, 64, "every slot on one expert, one block");
+  std::vector<int32_t> half(4000);
+  for (size_t s = 0; s < half.size(); ++s) half[s] = s % 2 ? 6 : static_cast<int32_t>(rng() % 64);
+  check_plan(half, 64, 1, 128, "every other slot on one expert");
   check_plan(std::vector<int32_t>(20000, -1), 8, 2, 128, "every slot skipped");
 }
 

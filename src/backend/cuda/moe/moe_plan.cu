@@ -25,17 +25,20 @@ namespace {
 
 constexpr int kPlanThreads = 1024;
 
-// Slots of one warp that share an expert are counted or placed with one shared atomic by the
-// lowest such lane (warp-aggregated): "every token on one expert" would otherwise serialise
-// M * k atomics on one address.
+// A slot's place among its expert's slots: one shared atomic a lane. A warp whose lanes all hold
+// one expert (every token routed alike) takes its 32 places with one atomic, as 32 on one address
+// would serialise. Grouping every warp's lanes by expert (__match_any_sync, one atomic a group)
+// bound the one-block plan instead: 15 µs for 4096 slots on an H100.
 __device__ __forceinline__ int warp_aggregated_add(int* counter, int e, bool valid) {
-  const unsigned peers = __match_any_sync(0xffffffffu, valid ? e : -1);
+  constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x % 32;
-  const int leader = __ffs(peers) - 1;
-  int base = 0;
-  if (valid && lane == leader) base = atomicAdd(counter, __popc(peers));
-  base = __shfl_sync(0xffffffffu, base, leader);
-  return base + __popc(peers & ((1u << lane) - 1u));
+  const int e0 = __shfl_sync(kAll, valid ? e : -1, 0);
+  if (__all_sync(kAll, valid && e == e0)) {
+    int base = 0;
+    if (lane == 0) base = atomicAdd(counter, 32);
+    return __shfl_sync(kAll, base, 0) + lane;
+  }
+  return valid ? atomicAdd(counter, 1) : 0;
 }
 
 constexpr int kPlanOneBlockSlots = 4096;
