@@ -29,7 +29,7 @@ constexpr int kPlanThreads = 1024;
 // one expert (every token routed alike) takes its 32 places with one atomic, as 32 on one address
 // would serialise. Grouping every warp's lanes by expert (__match_any_sync, one atomic a group)
 // bound the one-block plan instead: 15 µs for 4096 slots on an H100.
-__device__ __forceinline__ int warp_aggregated_add(int* counter, int e, bool valid) {
+__device__ __forceinline__ int place_in_expert(int* counter, int e, bool valid) {
   constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x % 32;
   const int e0 = __shfl_sync(kAll, valid ? e : -1, 0);
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
   int mine = -1, rank = 0;
   for_each_slot(ids, 0, slots, [&](int, int e) {
     const bool valid = e >= 0;  // -1: a skipped slot (another rank's expert), or past the end
-    const int r = warp_aggregated_add(&counts[valid ? e : 0], e, valid);
+    const int r = place_in_expert(&counts[valid ? e : 0], e, valid);
     if (one_round) mine = e, rank = r;
   });
   __syncthreads();
@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
   } else {
     for_each_slot(ids, 0, slots, [&](int s, int e) {
       const bool valid = e >= 0;
-      const int pos = warp_aggregated_add(&cursor[valid ? e : 0], e, valid);
+      const int pos = place_in_expert(&cursor[valid ? e : 0], e, valid);
       if (valid) order[pos] = s;
     });
   }
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kPlanBlockThreads) plan_count_kernel(const int
   const int begin = blockIdx.x * chunk, end = min(slots, begin + chunk);
   for_each_slot(ids, begin, end, [&](int, int e) {
     const bool valid = e >= 0;
-    warp_aggregated_add(&counts[valid ? e : 0], e, valid);
+    place_in_expert(&counts[valid ? e : 0], e, valid);
   });
   __syncthreads();
   for (int e = threadIdx.x; e < experts; e += blockDim.x) block_counts[blockIdx.x * experts + e] = counts[e];
@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(kPlanBlockThreads) plan_scatter_kernel(
   const int begin = blockIdx.x * chunk, end = min(slots, begin + chunk);
   for_each_slot(ids, begin, end, [&](int s, int e) {
     const bool valid = e >= 0;
-    const int pos = warp_aggregated_add(&cursor[valid ? e : 0], e, valid);
+    const int pos = place_in_expert(&cursor[valid ? e : 0], e, valid);
     if (valid) order[pos] = s;
   });
 }
