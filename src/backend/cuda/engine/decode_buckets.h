@@ -11,7 +11,7 @@
 namespace moe::cuda::engine {
 
 // Whether three rows get a bucket of their own, or run as four with one inert. On one GPU three
-// rows step faster on their own in both formats (H100, replayed graphs; bench/gpu_fp8_h100.md):
+// rows step faster on their own in both formats (H100, replayed graphs; bench/gpu_fp8_decode_h100.md):
 //  - FP8 experts: three exact rows take the plan-free GEMV, four the wgmma W8A8 GEMM: qwen3-30b-a3b
 //    4.01 against 4.49 ms at 128-token contexts, 4.38 against 4.88 at 2048;
 //  - bf16 experts: three exact rows take the grouped GEMV as four do (gemv_direct_max_slots):

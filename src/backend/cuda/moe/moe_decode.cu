@@ -180,7 +180,7 @@ constexpr int gate_up_min_blocks(int chunks) {
 // take consecutive rows, so the whole grid streams one region of memory. FP8 rows too go one an
 // item, though they are half the bytes: two rows an item (as many loads in flight as bf16's one)
 // measured slower (qwen3-30b-a3b-fp8 decode, H100: batch 1 398 against 393 tokens/s, batch 3 745
-// against 736; bench/gpu_fp8_h100.md).
+// against 736; bench/gpu_fp8_decode_h100.md).
 // C: 16-byte chunks of a row per lane; Route: Routing or OneTokenRouting; W: weight_rows.cuh.
 template <int C, typename Route, typename W>
 __global__ void __launch_bounds__(kGemvWarps * 32, gate_up_min_blocks<Route>(C)) gate_up_kernel(

@@ -166,7 +166,8 @@ inline bool wgmma_supports(int64_t hidden, int64_t inter) { return gemm_supports
 // so both widths must be multiples of 128; elsewhere they take the mma.sync W8A8 GEMM. Row tiles
 // of 64 or 128 with no alternative per forward: a consumer keeps a stage's products beside its
 // sums. 256-row tiles (two sub-tiles a consumer, 232 registers) were slower at every M measured,
-// 1024 to 8192 rows (docs/perf/fp8-wgmma-bound.md).
+// 1024 to 8192 rows, and still 6-9% slower with the producers' arrivals freed
+// (docs/perf/fp8-wgmma-bound.md).
 // 128-row tiles start from 56 rows an expert on average rather than the bf16 path's 64, where a
 // good share of the experts would spill into a second, nearly empty 64-row tile that reads all
 // of their weights again. Measured (moe-bench layer --dtype fp8, H100, 2026-11-26, the tile

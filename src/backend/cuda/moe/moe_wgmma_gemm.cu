@@ -83,10 +83,14 @@ struct Cfg {
   static constexpr int kProducerWGs = BM == 256 ? 2 : 1;
   static constexpr int kProducers = 128 * kProducerWGs;
   static constexpr int kThreads = kProducers + 256;
-  // Registers handed over with setmaxnreg: producers * P + 256 * Q <= 64K.
+  // Registers handed over with setmaxnreg. The block starts with kThreads times the launch's
+  // per-thread count (64K / kThreads, rounded down to 8: 168 at 384 threads, not 170), and
+  // setmaxnreg.inc only takes what setmaxnreg.dec gave back: asking for more waits forever.
   static constexpr int kProducerRegs = kProducerWGs == 1 ? 56 : 40;
   static constexpr int kConsumerRegs = kProducerWGs == 1 ? 224 : 216;
-  static_assert(kProducers * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  static_assert(kProducers * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs,
+                "setmaxnreg hands over no more registers than the block holds");
 };
 
 // The fast division (a reciprocal and a multiply, 2 ulp): the product is rounded to bf16 next,
@@ -459,7 +463,9 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
         };
         auto load_scales = [&](int kt, StageScales& sc) {
           sc.w_first = __ldg(w_first + kt);
-          sc.w_second = __ldg(w_second + kt);
+          // down's columns of a consumer (at most 128, from a multiple of 128) lie in one weight
+          // block: one load, and one register fewer.
+          sc.w_second = kGateUp ? __ldg(w_second + kt) : sc.w_first;
 #pragma unroll
           for (int h = 0; h < 2; ++h)
             sc.a[h] = arow[h] < 0 ? 0.f : __ldg(a_scales + static_cast<size_t>(arow[h]) * KT + kt);
