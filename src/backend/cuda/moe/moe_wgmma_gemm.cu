@@ -20,11 +20,12 @@
 // the plan) run 128 x 256 and 256 x 128 items in one grid.
 // FP8 experts (kFp8, W8A8): the same ring over E4M3 codes, a stage 128 k (one scale block) in the
 // same 128-byte rows, wgmma m64nNk32 e4m3, each stage's products scaled into the f32 sums by the
-// activation row's and the weight block's scales; tiles of 64 x 256, 64 x 128 or 128 x 128.
+// activation row's and the weight block's scales; tiles of 64 x 256, 64 x 128 or 128 x 128. In
+// 64 x 256 tiles gate_up's epilogue writes act already quantised for down (kQuantisesAct).
 // This file holds the kernel, its tile configurations, the tensor maps of the weights and the
 // launch of both GEMMs for one row tile (run_tile, moe_wgmma_gemm.h); the entry sizes the forward
-// and runs the plan and the combine around them, and the sm_90a instructions the pipeline is made
-// of are in sm90_async.cuh. Only CUDA headers and plain launch headers.
+// and runs the plan and the combine around them, the sm_90a instructions the pipeline is made of
+// are in sm90_async.cuh, and the epilogue's per-fragment pieces in wgmma_epilogue.cuh. Only CUDA headers and plain launch headers.
 #include <cuda.h>  // CUtensorMap and its enums only: the encoder comes through the runtime
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -37,6 +38,7 @@
 #include "backend/cuda/moe/moe_wgmma_gemm.h"
 #include "backend/cuda/pdl.h"
 #include "backend/cuda/moe/sm90_async.cuh"
+#include "backend/cuda/moe/wgmma_epilogue.cuh"
 #include "backend/cuda/ops/fp8_blocks_launch.h"
 
 // The compute_90 (PTX fallback) pass compiles the kernel body out (it needs sm_90a), which leaves
@@ -93,38 +95,6 @@ struct Cfg {
                 "setmaxnreg hands over no more registers than the block holds");
 };
 
-// The fast division (a reciprocal and a multiply, 2 ulp): the product is rounded to bf16 next,
-// and an IEEE division costs the epilogue, which runs while the tensor cores idle, a check and
-// a slow-path branch per column. Where exp(-g) passes 2^126 (g < -87) it gives 0, as silu does
-// to within bf16's range.
-__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.f + __expf(-g)); }
-
-// down's partial sums, stored 8 bytes at a time. In a wgmma fragment lane q of a quad (q = lane %
-// 4) holds the column pair 8j + 2q of its row for every j, so a 4-byte store per pair has a warp
-// instruction touch 8 rows x 16 bytes, half of 8 sectors. Given v[t] = the packed bf16 pairs of
-// j = 4g + t, one shuffle round within the quad (bit 0 of q against bit 0 of t) leaves lane q the
-// pairs of j = 4g + t + (q & 1), t = 0 and 2, from quad lanes (q & 2) and (q & 2) + 1: 4
-// contiguous columns, so two 8-byte stores fill whole sectors, 8 rows x 32 bytes a warp
-// instruction, with half the store instructions. The values are the same, bit for bit. Measured
-// (H100, moe-bench layer, µs): qwen3-30b-a3b M = 8192 1469-1474 -> 1331-1376, deepseek-v2-lite
-// 1735-1794 -> 1592-1731 and M = 2048 638-640 -> 626-632; M <= 512 within 2 µs. 16-byte stores
-// (a second round) gained less at M = 8192 and cost 5 µs at M = 2048; the same for gate_up's act
-// gained nothing and cost 1-3 µs at M <= 128. The four lanes of a quad hold one row, so the quad
-// (not the warp) calls it together.
-__device__ __forceinline__ void store_row_pairs(__nv_bfloat16* at, uint32_t (&v)[4], int lane) {
-  const unsigned quad = 0xfu << (lane & 28);
-  const int q = lane % 4;
-  const bool q1 = q & 1;
-#pragma unroll
-  for (int i = 0; i < 4; i += 2) {
-    const uint32_t r = __shfl_xor_sync(quad, q1 ? v[i] : v[i + 1], 1);
-    if (q1) v[i] = r;
-    else v[i + 1] = r;
-  }
-#pragma unroll
-  for (int i = 0; i < 4; i += 2) *reinterpret_cast<uint2*>(at + 8 * (i + q1) + 2 * (q & 2)) = make_uint2(v[i], v[i + 1]);
-}
-
 // Mixed row tiles (heuristics::kWgmmaMixedTiles): the plan cuts every expert into 128-row tiles,
 // and an expert of 129 to 256 rows, which that leaves with a second, nearly empty tile re-reading
 // all of its weights, is run as one 256-row tile instead: its two tiles' 2 x col_tiles items of
@@ -144,6 +114,13 @@ static_assert(Cfg<128, 256>::kStageBytes == Cfg<256, 128>::kStageBytes &&
 constexpr int kTallMaxRows = 256;
 __device__ __forceinline__ bool tall_expert(int rows) { return rows > 128 && rows <= kTallMaxRows; }
 
+// FP8 gate_up items of 64 x 256 (not narrow) cover 128 act columns, one scale block of down's
+// activations: their epilogue quantises act itself (the two consumers, 64 columns each, agree on
+// each row's max through shared memory) and writes E4M3 codes and scales, which down reads, in
+// place of bf16 act and a quantising kernel between the GEMMs.
+template <int BM, int BN, bool kMixed, bool kFp8>
+constexpr bool kQuantisesAct = kFp8 && !kMixed && BM == 64 && BN == 256;
+
 template <int M, int N>
 struct TileShape {
   static constexpr int kM = M, kN = N;
@@ -162,15 +139,17 @@ struct TileShape {
 // which lets it start only after waiting for the plan itself, so down may read the plan's tiles
 // before its own wait and put its first item's weight tiles (which depend on nothing computed) in
 // flight while gate_up finishes; only the activation gather waits for gate_up.
-// out: gate_up: bf16 act [slots, inter]; down: bf16 partial sums [slots, hidden], or with
-// splits > 1 f32 ones [splits, split_stride slots, hidden].
+// out: gate_up: bf16 act [slots, inter] (kQuantisesAct: E4M3 act [slots, inter] and out_scales
+// [slots, inter / 128]); down: bf16 partial sums [slots, hidden], or with splits > 1 f32 ones
+// [splits, split_stride slots, hidden].
 template <int BM, int BN, bool kGateUp, bool kMixed, bool kFp8>
 __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgmma_gemm_kernel(
     const __grid_constant__ CUtensorMap wmap, const void* __restrict__ a_src, const float* __restrict__ a_scales,
     const float* __restrict__ w_scales, const int* __restrict__ order, const int* __restrict__ offsets,
     const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
     const int* __restrict__ num_tiles, const float* __restrict__ weights, int hidden, int inter,
-    int top_k, int col_tiles, int splits, long long split_stride, void* __restrict__ out) {
+    int top_k, int col_tiles, int splits, long long split_stride, void* __restrict__ out,
+    float* __restrict__ out_scales) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!kMixed || (BM == 128 && BN == 256), "mixed tiles: 128 x 256 and 256 x 128");
   using R = RingOf<BM, BN, kMixed, kFp8>;
@@ -347,6 +326,7 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
     const int cw = wg - R::kProducerWGs;  // consumer 0 or 1
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     int it = 0;
+    int done = 0;  // items consumed: the parity of the act-quantising exchange buffer
     // One item of tile shape `shape` (TileShape): the k loop, then the epilogue.
     auto consume = [&](auto shape, const Work& w, const Item& f) {
       using C = Cfg<decltype(shape)::kM, decltype(shape)::kN>;
@@ -511,50 +491,55 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
 
       // Fragment (m64nN, f32): register 4j + 2h + c holds row 16 * warp + lane / 4 + 8h, column
       // 8j + 2 * (lane % 4) + c.
+      if constexpr (kGateUp && kQuantisesAct<BM, BN, kMixed, kFp8>) {
+        quantise_act(acc[0], prow[0], w.row_end, ct, cw, warp, lane, inter, static_cast<uint8_t*>(out),
+                     out_scales, done++);
+      } else {
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+        for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int p = prow[u][h];
-        if (p >= row_end) continue;
-        if (kGateUp) {
-          // Columns [0, WN/2) of this consumer are gate rows, [WN/2, WN) the matching up rows.
-          auto* act = static_cast<__nv_bfloat16*>(out);
+        for (int h = 0; h < 2; ++h) {
+          const int p = prow[u][h];
+          if (p >= row_end) continue;
+          if (kGateUp) {
+            // Columns [0, WN/2) of this consumer are gate rows, [WN/2, WN) the matching up rows.
+            auto* act = static_cast<__nv_bfloat16*>(out);
 #pragma unroll
-          for (int j = 0; j < C::WN / 16; ++j) {
-            const int col = ct * (TN / 2) + part * C::kBoxRows + 8 * j + 2 * (lane % 4);
-            if (col >= inter) continue;
-            const float g0 = val(u, 4 * j + 2 * h), g1 = val(u, 4 * j + 2 * h + 1);
-            const float u0 = val(u, 4 * (j + C::WN / 16) + 2 * h);
-            const float u1 = val(u, 4 * (j + C::WN / 16) + 2 * h + 1);
-            *reinterpret_cast<__nv_bfloat162*>(act + (size_t)p * inter + col) =
-                __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
-          }
-        } else if (splits == 1) {
-          // hidden is a multiple of BK (checked at launch): a group of 32 columns is in or out whole.
-          auto* row = static_cast<__nv_bfloat16*>(out) + (size_t)slot[u][h] * hidden;
-#pragma unroll
-          for (int g = 0; g < C::WN / 32; ++g) {
-            const int col = ct * TN + part * C::WN + 32 * g;
-            if (col >= hidden) continue;
-            uint32_t v[4];
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-              const int j = 4 * g + t;
-              const __nv_bfloat162 b = __floats2bfloat162_rn(scale[u][h] * val(u, 4 * j + 2 * h),
-                                                             scale[u][h] * val(u, 4 * j + 2 * h + 1));
-              v[t] = *reinterpret_cast<const uint32_t*>(&b);
+            for (int j = 0; j < C::WN / 16; ++j) {
+              const int col = ct * (TN / 2) + part * C::kBoxRows + 8 * j + 2 * (lane % 4);
+              if (col >= inter) continue;
+              const float g0 = val(u, 4 * j + 2 * h), g1 = val(u, 4 * j + 2 * h + 1);
+              const float u0 = val(u, 4 * (j + C::WN / 16) + 2 * h);
+              const float u1 = val(u, 4 * (j + C::WN / 16) + 2 * h + 1);
+              *reinterpret_cast<__nv_bfloat162*>(act + (size_t)p * inter + col) =
+                  __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
             }
-            store_row_pairs(row + col, v, lane);
-          }
-        } else {
-          float* sums = static_cast<float*>(out) + ((size_t)f.split * split_stride + slot[u][h]) * hidden;
+          } else if (splits == 1) {
+            // hidden is a multiple of BK (checked at launch): a group of 32 columns is in or out whole.
+            auto* row = static_cast<__nv_bfloat16*>(out) + (size_t)slot[u][h] * hidden;
 #pragma unroll
-          for (int j = 0; j < C::WN / 8; ++j) {
-            const int col = ct * TN + part * C::WN + 8 * j + 2 * (lane % 4);
-            if (col >= hidden) continue;
-            *reinterpret_cast<float2*>(sums + col) =
-                make_float2(scale[u][h] * val(u, 4 * j + 2 * h), scale[u][h] * val(u, 4 * j + 2 * h + 1));
+            for (int g = 0; g < C::WN / 32; ++g) {
+              const int col = ct * TN + part * C::WN + 32 * g;
+              if (col >= hidden) continue;
+              uint32_t v[4];
+#pragma unroll
+              for (int t = 0; t < 4; ++t) {
+                const int j = 4 * g + t;
+                const __nv_bfloat162 b = __floats2bfloat162_rn(scale[u][h] * val(u, 4 * j + 2 * h),
+                                                               scale[u][h] * val(u, 4 * j + 2 * h + 1));
+                v[t] = *reinterpret_cast<const uint32_t*>(&b);
+              }
+              store_row_pairs(row + col, v, lane);
+            }
+          } else {
+            float* sums = static_cast<float*>(out) + ((size_t)f.split * split_stride + slot[u][h]) * hidden;
+#pragma unroll
+            for (int j = 0; j < C::WN / 8; ++j) {
+              const int col = ct * TN + part * C::WN + 8 * j + 2 * (lane % 4);
+              if (col >= hidden) continue;
+              *reinterpret_cast<float2*>(sums + col) =
+                  make_float2(scale[u][h] * val(u, 4 * j + 2 * h), scale[u][h] * val(u, 4 * j + 2 * h + 1));
+            }
           }
         }
       }
@@ -608,7 +593,8 @@ cudaError_t weight_map(CUtensorMap* map, const void* w, uint64_t rows, uint64_t 
 }
 
 // FP8 (kFp8): x is b.x_fp8 with b.x_scales, already quantised (launch_prefill_wgmma); act is
-// quantised into b.act_fp8 between the two GEMMs (its routed rows only).
+// quantised into b.act_fp8 and b.act_scales (its routed rows only) by gate_up's epilogue
+// (kQuantisesAct) or else between the two GEMMs.
 template <int BM, int BN, bool kMixed = false, bool kFp8 = false>
 cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weights, int max_tiles,
                       int splits, long long split_stride, int tokens, int sms, cudaStream_t stream) {
@@ -635,10 +621,13 @@ cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weight
   err = launch_dependent(gate_up, dim3(gu_items < sms ? gu_items : sms), dim3(R::kThreads), R::kSmem, stream,
                          gate_up_map, a_up, a_up_scales, b.gate_up_scales, b.order, b.offsets,
                          b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden, b.inter, b.top_k,
-                         gu_cols, 1, 0LL, static_cast<void*>(act));
+                         gu_cols, 1, 0LL, kQuantisesAct<BM, BN, kMixed, kFp8> ? b.act_fp8 : static_cast<void*>(act),
+                         b.act_scales);
   if (err != cudaSuccess) return err;
   const void* a_down = act;
-  if constexpr (kFp8) {
+  if constexpr (kQuantisesAct<BM, BN, kMixed, kFp8>) {
+    a_down = b.act_fp8;
+  } else if constexpr (kFp8) {
     // A plain launch: it starts once gate_up has completed, and down waits for it in turn.
     err = quantize_rows_fp8(act, tokens * b.top_k, b.offsets + b.experts, b.inter, b.act_fp8, b.act_scales, stream);
     if (err != cudaSuccess) return err;
@@ -647,7 +636,7 @@ cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weight
   return launch_dependent(down, dim3(down_items < sms ? down_items : sms), dim3(R::kThreads), R::kSmem,
                           stream, down_map, a_down, kFp8 ? b.act_scales : nullptr, b.down_scales, b.order,
                           b.offsets, b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden, b.inter, b.top_k,
-                          down_cols, splits, split_stride, b.part);
+                          down_cols, splits, split_stride, b.part, nullptr);
 }
 
 }  // namespace

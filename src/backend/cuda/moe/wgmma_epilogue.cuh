@@ -1,0 +1,120 @@
+// The epilogue pieces of the grouped wgmma GEMM (moe_wgmma_gemm.cu) that act on one consumer's
+// accumulator fragment: the SiLU, down's 8-byte partial-sum stores, and FP8 act quantised where
+// gate_up writes it. Device code only, for that file.
+//
+// Fragment (m64nN, f32): register 4j + 2h + c holds row 16 * warp + lane / 4 + 8h, column
+// 8j + 2 * (lane % 4) + c.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace moe::cuda::kernels {
+
+// The fast division (a reciprocal and a multiply, 2 ulp): the product is rounded to bf16 next,
+// and an IEEE division costs the epilogue, which runs while the tensor cores idle, a check and
+// a slow-path branch per column. Where exp(-g) passes 2^126 (g < -87) it gives 0, as silu does
+// to within bf16's range.
+__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.f + __expf(-g)); }
+
+// down's partial sums, stored 8 bytes at a time. In a wgmma fragment lane q of a quad (q = lane %
+// 4) holds the column pair 8j + 2q of its row for every j, so a 4-byte store per pair has a warp
+// instruction touch 8 rows x 16 bytes, half of 8 sectors. Given v[t] = the packed bf16 pairs of
+// j = 4g + t, one shuffle round within the quad (bit 0 of q against bit 0 of t) leaves lane q the
+// pairs of j = 4g + t + (q & 1), t = 0 and 2, from quad lanes (q & 2) and (q & 2) + 1: 4
+// contiguous columns, so two 8-byte stores fill whole sectors, 8 rows x 32 bytes a warp
+// instruction, with half the store instructions. The values are the same, bit for bit. Measured
+// (H100, moe-bench layer, µs): qwen3-30b-a3b M = 8192 1469-1474 -> 1331-1376, deepseek-v2-lite
+// 1735-1794 -> 1592-1731 and M = 2048 638-640 -> 626-632; M <= 512 within 2 µs. 16-byte stores
+// (a second round) gained less at M = 8192 and cost 5 µs at M = 2048; the same for gate_up's act
+// gained nothing and cost 1-3 µs at M <= 128. The four lanes of a quad hold one row, so the quad
+// (not the warp) calls it together.
+__device__ __forceinline__ void store_row_pairs(__nv_bfloat16* at, uint32_t (&v)[4], int lane) {
+  const unsigned quad = 0xfu << (lane & 28);
+  const int q = lane % 4;
+  const bool q1 = q & 1;
+#pragma unroll
+  for (int i = 0; i < 4; i += 2) {
+    const uint32_t r = __shfl_xor_sync(quad, q1 ? v[i] : v[i + 1], 1);
+    if (q1) v[i] = r;
+    else v[i + 1] = r;
+  }
+#pragma unroll
+  for (int i = 0; i < 4; i += 2) *reinterpret_cast<uint2*>(at + 8 * (i + q1) + 2 * (q & 2)) = make_uint2(v[i], v[i + 1]);
+}
+
+
+// gate_up's epilogue for FP8 items of 64 x 256 (moe_wgmma_gemm.cu, kQuantisesAct): `a` is one
+// consumer's m64n128 fragment, gate columns in registers 4j + 2h + c for j < 8 and the matching up
+// columns at j + 8. Consumer cw (0 or 1) holds act columns ct * 128 + cw * 64 .. + 63 of its
+// rows, the other consumer the rest of the same 128-column scale block; `rows` are its two rows'
+// plan positions (past row_end: not stored). Values, scales and codes are those of
+// quantize_rows_fp8 on the bf16 act: each value rounded to bf16, scale = max |value| / 448 (1 for
+// zeros), code = E4M3(value / scale). Both consumers' 256 threads call it once an item, `parity`
+// counting their items: a template, so that only kernels that call it hold its shared memory.
+template <int kUnused = 0>
+__device__ __forceinline__ void quantise_act(const float (&a)[64], const int (&rows)[2], int row_end, int ct, int cw,
+                                             int warp, int lane, int inter, uint8_t* __restrict__ codes,
+                                             float* __restrict__ scales, int parity) {
+  // [parity][consumer][row of the item], double-buffered, so that one barrier an item orders the
+  // writes and the reads.
+  __shared__ float s_max[2][2][64];
+  float v[2][16], m[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    m[h] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float g = a[4 * j + 2 * h + c], up = a[4 * (j + 8) + 2 * h + c];
+        v[h][2 * j + c] = __bfloat162float(__float2bfloat16_rn(silu(g) * up));
+        m[h] = fmaxf(m[h], fabsf(v[h][2 * j + c]));
+      }
+    // The four lanes of the quad hold the row.
+    m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 1));
+    m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 2));
+    if (lane % 4 == 0) s_max[parity & 1][cw][16 * warp + lane / 4 + 8 * h] = m[h];
+  }
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the two consumers' eight warps
+  const int q = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = 16 * warp + lane / 4 + 8 * h;
+    const float amax = fmaxf(s_max[parity & 1][0][r], s_max[parity & 1][1][r]);
+    const float scale = amax > 0.f ? amax / 448.f : 1.f;
+    uint32_t pair[8];  // the codes of columns 8j + 2q and 8j + 2q + 1
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      pair[j] = __nv_cvt_float_to_fp8(v[h][2 * j] / scale, __NV_SATFINITE, __NV_E4M3) |
+                static_cast<uint32_t>(__nv_cvt_float_to_fp8(v[h][2 * j + 1] / scale, __NV_SATFINITE, __NV_E4M3)) << 8;
+    // Lane q stores columns 32g + 8q .. + 7: the pairs of j = 4g + q from all four lanes of the
+    // quad, so that a warp's store covers whole 32-byte sectors. Round t brings lane q the pair
+    // of lane (q + t) % 4, which sends the one of j = 4g + (its q - t) % 4.
+    uint2 out8[2];
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      uint64_t bytes = 0;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const int want = (q - t) & 3;
+        uint32_t send = pair[4 * g];
+#pragma unroll
+        for (int k = 1; k < 4; ++k) send = want == k ? pair[4 * g + k] : send;
+        const uint32_t got = __shfl_sync(0xffffffffu, send, (lane & ~3) | ((q + t) & 3));
+        bytes |= static_cast<uint64_t>(got) << (16 * ((q + t) & 3));
+      }
+      out8[g] = make_uint2(static_cast<uint32_t>(bytes), static_cast<uint32_t>(bytes >> 32));
+    }
+    const int p = rows[h];
+    if (p >= row_end) continue;
+    uint8_t* row = codes + static_cast<size_t>(p) * inter + ct * 128 + cw * 64;
+#pragma unroll
+    for (int g = 0; g < 2; ++g) *reinterpret_cast<uint2*>(row + 32 * g + 8 * q) = out8[g];
+    if (cw == 0 && q == 0) scales[static_cast<size_t>(p) * (inter / 128) + ct] = scale;
+  }
+}
+
+}  // namespace moe::cuda::kernels
