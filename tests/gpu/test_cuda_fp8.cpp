@@ -7,6 +7,7 @@
 // exactly), its W8A8 form on cuBLASLt's block-scaled GEMM and its widened cuBLASLt form; and the engine's weight store
 // holding a checkpoint's FP8 tensors as stored (its bytes are those of the files, not a bf16
 // copy), also for a GPU's share of the attention heads under tp. Outputs poisoned first. Skipped, visibly, where no CUDA device exists.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -272,6 +273,43 @@ TEST(CudaFp8, HopperGemmMatchesTheCpuAndTheMmaSyncGemm) {
       std::printf("%s M=%lld: wgmma rel %.2e, mma.sync rel %.2e, apart %.2e\n", c.what,
                   static_cast<long long>(tokens), wgmma.rel, gemm.rel, d);
     }
+  }
+}
+
+// FP8 wgmma items of 64 rows x 256 weight rows quantise act in gate_up's epilogue (the two
+// consumers agreeing on each row's scale), where the mma.sync GEMM runs the separate quantising
+// kernel on bf16 act. Both are meant to give down the same codes and scales, so the two paths
+// may differ only as the test above allows. 32 experts of hidden 1024 keep the 64-row blocks
+// wide (checked first: otherwise this would test the other tiles); inter 384 gives each row
+// three scale blocks; the skewed routing gives the first experts several tiles and the last
+// ones partial ones.
+TEST(CudaFp8, HopperActQuantisedInTheEpilogueMatchesTheQuantisingKernel) {
+  REQUIRE_GPU();
+  if (!device_is_sm90()) GTEST_SKIP() << "the wgmma path needs compute capability 9.0";
+  namespace hx = cuda::heuristics;
+  int device = 0, sms = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+  std::mt19937 rng(16);
+  const int64_t experts = 32, hidden = 1024, inter = 384, k = 4;
+  const Fp8Layer l = make_layer(experts, hidden, inter, rng);
+  for (int64_t tokens : {60, 300}) {
+    const int64_t slots = tokens * k;
+    ASSERT_EQ(hx::wgmma_fp8_tile_m(tokens, k, experts), 64) << "M=" << tokens;
+    ASSERT_FALSE(hx::wgmma_narrow_tiles(hx::max_row_tiles(slots, experts, 64), hidden, sms) ||
+                 hx::wgmma_fp8_narrow_tiles(slots, experts))
+        << "M=" << tokens << ": the 64-row blocks would be narrow";
+    const auto ids = route(experts, tokens, k, 0.97, rng);
+    const uint32_t seed = rng();
+    std::mt19937 a(seed), b(seed);  // the same activations and routing weights for both paths
+    const Checked wgmma = expert_error(l, tokens, k, ids, ExpertPath::kWgmma, 512, a);
+    const Checked gemm = expert_error(l, tokens, k, ids, ExpertPath::kGemm, 512, b);
+    EXPECT_TRUE(wgmma.ok()) << "M=" << tokens << ": " << wgmma.rel;
+    EXPECT_TRUE(gemm.ok()) << "M=" << tokens << ": " << gemm.rel;
+    const double d = distance(wgmma.y, gemm.y);
+    EXPECT_LE(d, 1e-2) << "M=" << tokens;
+    std::printf("act quantised in the epilogue, M=%lld: wgmma rel %.2e, mma.sync rel %.2e, apart %.2e\n",
+                static_cast<long long>(tokens), wgmma.rel, gemm.rel, d);
   }
 }
 

@@ -50,6 +50,7 @@ namespace moe::cuda::kernels {
 namespace {
 
 using namespace sm90;
+using namespace wgmma_epilogue;
 
 constexpr int BK = wgmma_detail::kStepK;  // one 128-byte swizzle atom of bf16 along k
 // k of a stage by operand format: the same 128 bytes a row, so FP8 steps 128 (one scale block).

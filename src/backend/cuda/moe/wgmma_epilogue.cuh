@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-namespace moe::cuda::kernels {
+namespace moe::cuda::kernels::wgmma_epilogue {
 
 // The fast division (a reciprocal and a multiply, 2 ulp): the product is rounded to bf16 next,
 // and an IEEE division costs the epilogue, which runs while the tensor cores idle, a check and
@@ -117,4 +117,4 @@ __device__ __forceinline__ void quantise_act(const float (&a)[64], const int (&r
   }
 }
 
-}  // namespace moe::cuda::kernels
+}  // namespace moe::cuda::kernels::wgmma_epilogue
