@@ -3,6 +3,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "backend/cuda/ops/fp8_act_quant.cuh"
+
 namespace moe::cuda::kernels {
 namespace {
 
@@ -51,12 +53,12 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int ro
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float scale = amax > 0.f ? amax / 448.f : 1.f;
+    const float scale = fp8_act_scale(amax);
     if (col < cols) {
       uint32_t packed = 0;
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        packed |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(v[i] / scale, __NV_SATFINITE, __NV_E4M3)) << (8 * i);
+        packed |= fp8_act_code(v[i], scale) << (8 * i);
       *reinterpret_cast<uint32_t*>(q + row * cols + col) = packed;
     }
     if (lane == 0) scales[by_block ? (long long)(col / 128) * rows + row : row * per_row + col / 128] = scale;
