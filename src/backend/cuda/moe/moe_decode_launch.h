@@ -73,8 +73,16 @@ struct ExpertBuffers {
 // writes num_tiles[0] (tile_m's count, 0 when not picked) and num_tiles[1] (tile_alt's).
 // tile_alt heuristics::kWgmmaMixedTiles (beside tile_m 128 only): the tiles are 128 rows either
 // way, the pick only sets the counts.
+// beside_predecessor: the plan's first grid reads the ids and writes its buffers without waiting
+// for its predecessor on the stream, and waits for it only before it exits, so that the grids
+// after the plan still start after both. Only where that predecessor is a programmatic dependent
+// that itself waited for everything before it (the ids' producer and the last readers of the
+// plan's buffers included) before it let the plan start (begin_dependent): then the two run side
+// by side (the FP8 wgmma path's quantisation of x, moe_wgmma.cu). A dependent grid is scheduled
+// only once every block of the grid before it has started, so the GEMM blocks that get resident
+// early and wait never hold multiprocessors the quantisation still needs.
 cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int tile_m,
-                        cudaStream_t stream, int tile_alt = 0);
+                        cudaStream_t stream, int tile_alt = 0, bool beside_predecessor = false);
 
 // Plan, gate_up GEMV + SiLU, down GEMV, combine on `stream` (hidden, inter: multiples of 8, at
 // most 2048).

@@ -205,13 +205,13 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
     const int* __restrict__ ids, int slots, int experts, int tile_m, int tile_alt,
     int* __restrict__ offsets, int* __restrict__ order, int* __restrict__ active,
     int* __restrict__ num_active, int* __restrict__ tile_expert, int* __restrict__ tile_row,
-    int* __restrict__ num_tiles) {
+    int* __restrict__ num_tiles, bool beside_predecessor) {
   __shared__ int counts[kMaxExperts];
   __shared__ int cursor[kMaxExperts];
   __shared__ int tile_start[kMaxExperts + 1];
   __shared__ int chunk_sums[6 * kPlanChunks];
   __shared__ int total_tiles;
-  wait_for_predecessor();  // the router's ids
+  if (!beside_predecessor) wait_for_predecessor();  // the router's ids (beside it: launch_plan)
   allow_dependents();  // the GEMV's gate_up grid gets resident and waits for this one
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
   __syncthreads();
@@ -238,15 +238,17 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(
     });
   }
   if (tile > 0) plan_tiles(tile_start, offsets, experts, total_tiles, tile, tile_expert, tile_row);
+  if (beside_predecessor) wait_for_predecessor();  // this grid completes after its predecessor
 }
 
 // Multi-block plan, step 1: block b counts the slots [b * chunk, (b + 1) * chunk) into
 // block_counts[b * experts + e].
 __global__ void __launch_bounds__(kPlanBlockThreads) plan_count_kernel(const int* __restrict__ ids, int slots,
                                                                        int experts, int chunk,
-                                                                       int* __restrict__ block_counts) {
+                                                                       int* __restrict__ block_counts,
+                                                                       bool beside_predecessor) {
   __shared__ int counts[kMaxExperts];
-  wait_for_predecessor();  // the router's ids
+  if (!beside_predecessor) wait_for_predecessor();  // the router's ids (beside it: launch_plan)
   allow_dependents();
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
   __syncthreads();
@@ -257,6 +259,7 @@ __global__ void __launch_bounds__(kPlanBlockThreads) plan_count_kernel(const int
   });
   __syncthreads();
   for (int e = threadIdx.x; e < experts; e += blockDim.x) block_counts[blockIdx.x * experts + e] = counts[e];
+  if (beside_predecessor) wait_for_predecessor();  // this grid completes after its predecessor
 }
 
 // Step 2, one block: each expert's count (the sum over blocks) and, in place of block b's count,
@@ -318,7 +321,7 @@ __global__ void __launch_bounds__(kPlanBlockThreads) plan_scatter_kernel(
 }  // namespace
 
 cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int tile_m,
-                        cudaStream_t stream, int tile_alt) {
+                        cudaStream_t stream, int tile_alt, bool beside_predecessor) {
   if (tile_alt != 0 && (tile_m <= 0 || tile_alt == tile_m)) return cudaErrorInvalidValue;
   if (tile_alt == heuristics::kWgmmaMixedTiles && tile_m != 128) return cudaErrorInvalidValue;
   const int slots = tokens * b.top_k;
@@ -328,7 +331,7 @@ cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int 
     const int chunk = ((slots + blocks - 1) / blocks + kPlanBlockThreads - 1) / kPlanBlockThreads *
                       kPlanBlockThreads;
     cudaError_t err = launch_dependent(plan_count_kernel, dim3(blocks), dim3(kPlanBlockThreads), 0, stream, ids,
-                                       slots, b.experts, chunk, b.plan_counts);
+                                       slots, b.experts, chunk, b.plan_counts, beside_predecessor);
     if (err == cudaSuccess)
       err = launch_dependent(plan_scan_kernel, dim3(1), dim3(kPlanThreads), 0, stream, b.plan_counts, blocks,
                              b.experts, tile_m, tile_alt, b.offsets, b.active, b.num_active, b.tile_expert,
@@ -343,7 +346,7 @@ cudaError_t launch_plan(const ExpertBuffers& b, const int* ids, int tokens, int 
   const int threads = slots >= kPlanThreads ? kPlanThreads : slots <= 128 ? 128 : (slots + 31) / 32 * 32;
   return launch_dependent(plan_kernel, dim3(1), dim3(threads), 0, stream, ids,
                           tokens * b.top_k, b.experts, tile_m, tile_alt, b.offsets, b.order, b.active,
-                          b.num_active, b.tile_expert, b.tile_row, b.num_tiles);
+                          b.num_active, b.tile_expert, b.tile_row, b.num_tiles, beside_predecessor);
 }
 
 }  // namespace moe::cuda::kernels

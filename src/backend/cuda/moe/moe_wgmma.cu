@@ -73,8 +73,9 @@ cudaError_t launch_prefill_wgmma(const ExpertBuffers& b, const void* x, const in
   // tiles exist on grids of 256 weight rows only.
   if (tile_alt != 0 && (shape.sums.splits != 1 || alt_shape.sums.splits != 1)) tile_alt = 0;
   if (tile_alt == heuristics::kWgmmaMixedTiles && shape.narrow) tile_alt = 0;
+  // FP8: x's quantisation and the plan run side by side; the plan's last grid waits for it.
   if (fp8) err = quantize_rows_fp8(x, tokens, nullptr, b.hidden, b.x_fp8, b.x_scales, stream);
-  if (err == cudaSuccess) err = launch_plan(b, ids, tokens, tile_m, stream, tile_alt);
+  if (err == cudaSuccess) err = launch_plan(b, ids, tokens, tile_m, stream, tile_alt, /*beside_predecessor=*/fp8);
   if (err == cudaSuccess) err = wgmma_detail::run_tile(b, x, weights, tile_m, shape, stream);
   if (err == cudaSuccess && tile_alt != 0) {
     ExpertBuffers alt = b;

@@ -629,7 +629,7 @@ cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weight
   if constexpr (kQuantisesAct<BM, BN, kMixed, kFp8>) {
     a_down = b.act_fp8;
   } else if constexpr (kFp8) {
-    // A plain launch: it starts once gate_up has completed, and down waits for it in turn.
+    // It waits for gate_up to complete before reading act, and down waits for it in turn.
     err = quantize_rows_fp8(act, tokens * b.top_k, b.offsets + b.experts, b.inter, b.act_fp8, b.act_scales, stream);
     if (err != cudaSuccess) return err;
     a_down = b.act_fp8;

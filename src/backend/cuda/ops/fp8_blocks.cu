@@ -4,6 +4,7 @@
 #include <cuda_fp8.h>
 
 #include "backend/cuda/ops/fp8_act_quant.cuh"
+#include "backend/cuda/pdl.h"
 
 namespace moe::cuda::kernels {
 namespace {
@@ -36,6 +37,7 @@ __global__ void dequantize_kernel(const uint4* __restrict__ codes, const float* 
 // A warp per 128 columns of a row, four values a lane. by_block: scales [blocks, rows].
 __global__ void quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int rows, const int* __restrict__ rows_on_device,
                                      int cols, uint8_t* __restrict__ q, float* __restrict__ scales, bool by_block) {
+  begin_dependent();  // x (and rows_on_device) come from earlier work on the stream
   const int n = rows_on_device ? min(rows, *rows_on_device) : rows;
   const int per_row = (cols + 127) / 128, lane = threadIdx.x % 32;
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
@@ -73,11 +75,16 @@ cudaError_t quantize_rows(const void* x, int rows, const int* rows_on_device, in
                           bool by_block, cudaStream_t stream) {
   if (rows < 0 || cols < 16 || cols % 16 != 0) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
+  // At most 1024 blocks, each walking items until the rows are done: on an H100 (8 blocks of 256
+  // threads on each of 132 multiprocessors) all of them start at once, so a programmatic
+  // dependent (the expert plan, launch_plan's beside_predecessor) is scheduled at the start
+  // rather than behind the last wave.
   const long long warps = (long long)rows * ((cols + 127) / 128);
-  const unsigned blocks = static_cast<unsigned>(warps / 8 + 1 < 65536 ? warps / 8 + 1 : 65536);
-  quantize_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, rows_on_device, cols,
-                                                   static_cast<uint8_t*>(q), scales, by_block);
-  return cudaGetLastError();
+  const unsigned blocks = static_cast<unsigned>(warps / 8 + 1 < 1024 ? warps / 8 + 1 : 1024);
+  const cudaError_t err = launch_dependent(quantize_rows_kernel, dim3(blocks), dim3(256), 0, stream,
+                                           static_cast<const __nv_bfloat16*>(x), rows, rows_on_device, cols,
+                                           static_cast<uint8_t*>(q), scales, by_block);
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 }  // namespace
