@@ -219,7 +219,8 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
                   "S * sin(12.9898 * e) added to expert e's logits; no vLLM figure then, as "
                   "those are for uniform routing); floor = max(bytes / copy bandwidth measured "
                   "here, FLOPs / matmul_TFLOPs: 748 for bf16, the FP8 rate measured here by "
-                  "cuBLASLt 8192^3 for fp8); rel_err on up to 128 rows; vllm_us: the peer's figure at this M "
+                  "cuBLASLt 8192^3 for fp8; floor_holds false: the floor came out above the time, so the "
+                  "rates measured at start were low and it is not valid); rel_err on up to 128 rows; vllm_us: the peer's figure at this M "
                   "(shared/peers), vllm_touched: the experts its routing draw touched, "
                   "vllm_us_at_these_bytes: its time scaled by this run's bytes over those of its draw";
   if (!a.json) {
@@ -335,10 +336,13 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(graph);
       const Summary s = summarize(us);
+      // The floor comes from the copy bandwidth and matmul rate measured once at start; a busy
+      // GPU lowers them, and a floor above the measured time is then no floor at all.
+      const bool floor_holds = floor_us <= s.median;
       nlohmann::json j{{"M", m}, {"path", path_name(path)}, {"chosen", path == chosen},
                        {"touched", touched}, {"max_rows_per_expert", max_load},
                        {"median_us", s.median}, {"min_us", s.min},
-                       {"max_us", s.max}, {"floor_us", floor_us},
+                       {"max_us", s.max}, {"floor_us", floor_us}, {"floor_holds", floor_holds},
                        {"GBps", bytes / (s.median * 1e-6) / 1e9},
                        {"TFLOPs", flops / (s.median * 1e-6) / 1e12}, {"rel_err", rel}};
       if (vllm.us > 0) {
@@ -357,6 +361,9 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
                     (long long)m, path_name(path), path == chosen ? "*" : " ", (long long)touched,
                     s.median, floor_us, bytes / (s.median * 1e-6) / 1e9,
                     flops / (s.median * 1e-6) / 1e12, floor_us / s.median, peer.c_str(), rel);
+        if (!floor_holds)
+          std::printf("       the floor is above the measured time: the copy bandwidth or matmul rate measured at "
+                      "start was low (another process on the GPU?); floor_us and floor/t of this row are not valid\n");
       }
     }
   }
