@@ -52,10 +52,10 @@ __device__ __forceinline__ void store_row_pairs(__nv_bfloat16* at, uint32_t (&v)
 // columns at j + 8. Consumer cw (0 or 1) holds act columns ct * 128 + cw * 64 .. + 63 of its
 // rows, the other consumer the rest of the same 128-column scale block; `rows` are its two rows'
 // plan positions (past row_end: not stored). Values, scales and codes are those of
-// quantize_rows_fp8 on the bf16 act: each value rounded to bf16, then fp8_act_scale and
-// fp8_act_code (ops/fp8_act_quant.cuh), as that kernel uses them. Both consumers' 256 threads
-// call it once an item, `parity` counting their items: a template, so that only kernels that
-// call it hold its shared memory.
+// quantize_rows_fp8 on the bf16 act: each value rounded to bf16, then fp8_act_scale,
+// fp8_act_inverse and fp8_act_codes2 (ops/fp8_act_quant.cuh), as that kernel uses them. Both
+// consumers' 256 threads call it once an item, `parity` counting their items: a template, so
+// that only kernels that call it hold its shared memory.
 template <int kUnused = 0>
 __device__ __forceinline__ void quantise_act(const float (&a)[64], const int (&rows)[2], int row_end, int ct, int cw,
                                              int warp, int lane, int inter, uint8_t* __restrict__ codes,
@@ -86,11 +86,10 @@ __device__ __forceinline__ void quantise_act(const float (&a)[64], const int (&r
   for (int h = 0; h < 2; ++h) {
     const int r = 16 * warp + lane / 4 + 8 * h;
     const float amax = fmaxf(s_max[parity & 1][0][r], s_max[parity & 1][1][r]);
-    const float scale = fp8_act_scale(amax);
+    const float scale = fp8_act_scale(amax), inverse = fp8_act_inverse(scale);
     uint32_t pair[8];  // the codes of columns 8j + 2q and 8j + 2q + 1
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      pair[j] = fp8_act_code(v[h][2 * j], scale) | fp8_act_code(v[h][2 * j + 1], scale) << 8;
+    for (int j = 0; j < 8; ++j) pair[j] = fp8_act_codes2(v[h][2 * j], v[h][2 * j + 1], inverse);
     // Lane q stores columns 32g + 8q .. + 7: the pairs of j = 4g + q from all four lanes of the
     // quad, so that a warp's store covers whole 32-byte sectors. Round t brings lane q the pair
     // of lane (q + t) % 4, which sends the one of j = 4g + (its q - t) % 4.

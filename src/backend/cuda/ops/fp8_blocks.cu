@@ -57,10 +57,8 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int ro
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float scale = fp8_act_scale(amax);
     if (col < cols) {
-      uint32_t packed = 0;
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        packed |= fp8_act_code(v[i], scale) << (8 * i);
+      const float inverse = fp8_act_inverse(scale);
+      const uint32_t packed = fp8_act_codes2(v[0], v[1], inverse) | fp8_act_codes2(v[2], v[3], inverse) << 16;
       *reinterpret_cast<uint32_t*>(q + row * cols + col) = packed;
     }
     if (lane == 0) scales[by_block ? (long long)(col / 128) * rows + row : row * per_row + col / 128] = scale;
