@@ -313,6 +313,32 @@ TEST(CudaFp8, HopperActQuantisedInTheEpilogueMatchesTheQuantisingKernel) {
   }
 }
 
+// The same for 128-row tiles (128 x 256 items quantise act in their epilogue, whole scale blocks
+// a consumer; 128 x 128 items leave it to the quantising kernel). Token counts that take 128-row
+// tiles (checked first), with skewed routing so that some experts have several tiles and others
+// a partial one.
+TEST(CudaFp8, HopperActOf128RowTilesMatchesTheQuantisingKernel) {
+  REQUIRE_GPU();
+  if (!device_is_sm90()) GTEST_SKIP() << "the wgmma path needs compute capability 9.0";
+  std::mt19937 rng(17);
+  const int64_t experts = 32, hidden = 1024, inter = 384, k = 4;
+  const Fp8Layer l = make_layer(experts, hidden, inter, rng);
+  for (int64_t tokens : {1100, 2600}) {
+    ASSERT_EQ(cuda::heuristics::wgmma_fp8_tile_m(tokens, k, experts), 128) << "M=" << tokens;
+    const auto ids = route(experts, tokens, k, 0.97, rng);
+    const uint32_t seed = rng();
+    std::mt19937 a(seed), b(seed);
+    const Checked wgmma = expert_error(l, tokens, k, ids, ExpertPath::kWgmma, 4096, a);
+    const Checked gemm = expert_error(l, tokens, k, ids, ExpertPath::kGemm, 4096, b);
+    EXPECT_TRUE(wgmma.ok()) << "M=" << tokens << ": " << wgmma.rel;
+    EXPECT_TRUE(gemm.ok()) << "M=" << tokens << ": " << gemm.rel;
+    const double d = distance(wgmma.y, gemm.y);
+    EXPECT_LE(d, 1e-2) << "M=" << tokens;
+    std::printf("128-row tiles, M=%lld: wgmma rel %.2e, mma.sync rel %.2e, apart %.2e\n",
+                static_cast<long long>(tokens), wgmma.rel, gemm.rel, d);
+  }
+}
+
 // The block width of the FP8 wgmma path at the row counts it was measured at (H100, 2026-11-27,
 // bench/gpu_fp8_h100.md): 128 weight rows while the routed rows are at most the experts, else
 // the general rule's, which for these shapes is 256.

@@ -20,8 +20,9 @@
 // the plan) run 128 x 256 and 256 x 128 items in one grid.
 // FP8 experts (kFp8, W8A8): the same ring over E4M3 codes, a stage 128 k (one scale block) in the
 // same 128-byte rows, wgmma m64nNk32 e4m3, each stage's products scaled into the f32 sums by the
-// activation row's and the weight block's scales; tiles of 64 x 256, 64 x 128 or 128 x 128. In
-// 64 x 256 tiles gate_up's epilogue writes act already quantised for down (kQuantisesAct).
+// activation row's and the weight block's scales; tiles of 64 x 256, 64 x 128, 128 x 256 (a
+// consumer's 256 weight rows as two halves) or 128 x 128. In 64 x 256 and 128 x 256 tiles gate_up's
+// epilogue writes act already quantised for down (kQuantisesAct, kQuantisesActWhole).
 // This file holds the kernel, its tile configurations, the tensor maps of the weights and the
 // launch of both GEMMs for one row tile (run_tile, moe_wgmma_gemm.h); the entry sizes the forward
 // and runs the plan and the combine around them, the sm_90a instructions the pipeline is made of
@@ -121,6 +122,9 @@ __device__ __forceinline__ bool tall_expert(int rows) { return rows > 128 && row
 // place of bf16 act and a quantising kernel between the GEMMs.
 template <int BM, int BN, bool kMixed, bool kFp8>
 constexpr bool kQuantisesAct = kFp8 && !kMixed && BM == 64 && BN == 256;
+// FP8 items of 128 x 256: each consumer holds whole scale blocks of its rows' act.
+template <int BM, int BN, bool kMixed, bool kFp8>
+constexpr bool kQuantisesActWhole = kFp8 && !kMixed && BM == 128 && BN == 256;
 
 template <int M, int N>
 struct TileShape {
@@ -154,8 +158,8 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(!kMixed || (BM == 128 && BN == 256), "mixed tiles: 128 x 256 and 256 x 128");
   using R = RingOf<BM, BN, kMixed, kFp8>;
-  static_assert(!kFp8 || (!kMixed && Cfg<BM, BN>::WN <= 128 && Cfg<BM, BN>::kSubs == 1),
-                "FP8 tiles: one m64 sub-tile of at most 128 weight rows a consumer");
+  static_assert(!kFp8 || (!kMixed && Cfg<BM, BN>::kSubs == 1 && (Cfg<BM, BN>::WN <= 128 || BM == 128)),
+                "FP8 tiles: one m64 sub-tile a consumer, of 256 weight rows only at BM 128 (two halves)");
   constexpr int S = R::kStages;
   constexpr int SK = kStageK<kFp8>;
   const int K = kGateUp ? hidden : inter;
@@ -341,9 +345,10 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
       // Sub-tiles holding at least one of the expert's rows (the same for the whole warpgroup).
       const int subs = min(U, max(0, (row_end - my_row0 + 63) / 64));
       // Mixed tiles' 128 x 256 items: each consumer's 64 x 256 as two m64n128 halves (gate and up
-      // for gate_up), as the 512-thread ring allows no instruction past 128 registers. Flat
-      // fragment index i of the m64n256 layout is then acc[i / 64][i % 64].
-      constexpr bool kSplitN = kMixed && TN == 256;
+      // for gate_up), as the 512-thread ring allows no instruction past 128 registers; FP8 items
+      // of 128 x 256 likewise (their products in halves, below). Flat fragment index i of the
+      // m64n256 layout is then acc[i / 64][i % 64].
+      constexpr bool kSplitN = (kMixed || kFp8) && TN == 256 && C::WN == 256;
       static_assert(!kSplitN || U == 1, "split columns: one row sub-tile");
       // The epilogue's rows, and for down their slots and routing weights, fetched before the k
       // loop so that their latency hides under it.
@@ -435,7 +440,10 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
         const float* ws = w_scales + static_cast<size_t>(w.e) * ((w_rows + 127) / 128) * KT;
         const int first = kGateUp ? ct * (TN / 2) + part * C::kBoxRows : ct * TN + part * C::WN;
         const float* w_first = ws + first / 128 * KT;
-        const float* w_second = kGateUp ? ws + (inter + first) / 128 * KT : w_first;
+        // gate_up: the up rows' block; down with 256 weight rows a consumer: the second 128.
+        const float* w_second = kGateUp                            ? ws + (inter + first) / 128 * KT
+                                : kSplitN && first + 128 < w_rows ? ws + (first + 128) / 128 * KT
+                                                                  : w_first;
         // A stage's scales as loaded: multiplied only where used, a stage later, so that the
         // loads' L2 latency hides under the stage before (a product at load time would wait for
         // them at once).
@@ -444,14 +452,18 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
         };
         auto load_scales = [&](int kt, StageScales& sc) {
           sc.w_first = __ldg(w_first + kt);
-          // down's columns of a consumer (at most 128, from a multiple of 128) lie in one weight
+          // Otherwise down's columns of a consumer, 128 from a multiple of 128, lie in one weight
           // block: one load, and one register fewer.
-          sc.w_second = kGateUp ? __ldg(w_second + kt) : sc.w_first;
+          sc.w_second = kGateUp || kSplitN ? __ldg(w_second + kt) : sc.w_first;
 #pragma unroll
           for (int h = 0; h < 2; ++h)
             sc.a[h] = arow[h] < 0 ? 0.f : __ldg(a_scales + static_cast<size_t>(arow[h]) * KT + kt);
         };
-        float prod[C::WN / 2];
+        // 256 weight rows a consumer (kSplitN) go as two halves of 128 through one product buffer:
+        // 128 sums and 64 products a thread where 256 products would not fit its registers. Half
+        // 0 (gate_up's gate rows, down's first 128) takes the first scale, half 1 the second.
+        constexpr int kHalves = kSplitN ? 2 : 1, kProdN = C::WN / kHalves;
+        float prod[kProdN / 2];
         auto stage = [&](int kt, const StageScales& use, StageScales& fill) {
           const int s = it % S;
           if (kt + 1 < f.kt1) load_scales(kt + 1, fill);
@@ -459,23 +471,28 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
           fence_proxy_async();  // as in k_loop
           const uint32_t sa = base + s * R::kStageBytes + a_off;
           const uint32_t sb = base + s * R::kStageBytes + C::kABytes + b_off;
-          wgmma_fence();
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            wgmma_tile_e4m3<C::WN>(prod, sw128_desc(sa + kk * 32), sw128_desc(sb + kk * 32), kk);
-          wgmma_commit();
-          wgmma_wait<0>();
-          fence_regs(prod);
-          __syncwarp();
-          if (lane == 0) mbar_arrive(empty(s));
+          for (int n = 0; n < kHalves; ++n) {
+            wgmma_fence();
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float first = use.a[h] * use.w_first, second = use.a[h] * use.w_second;
+            for (int kk = 0; kk < 4; ++kk)
+              wgmma_tile_e4m3<kProdN>(prod, sw128_desc(sa + kk * 32), sw128_desc(sb + n * kProdN * 128 + kk * 32), kk);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(prod);
+            if (n == kHalves - 1) {
+              __syncwarp();
+              if (lane == 0) mbar_arrive(empty(s));
+            }
 #pragma unroll
-            for (int j = 0; j < C::WN / 8; ++j) {
-              const float sc = j < C::WN / 16 ? first : second;
-              acc[0][4 * j + 2 * h] += prod[4 * j + 2 * h] * sc;
-              acc[0][4 * j + 2 * h + 1] += prod[4 * j + 2 * h + 1] * sc;
+            for (int h = 0; h < 2; ++h) {
+              const float first = use.a[h] * use.w_first, second = use.a[h] * use.w_second;
+#pragma unroll
+              for (int j = 0; j < kProdN / 8; ++j) {
+                const float sc = kSplitN ? (n == 0 ? first : second) : j < C::WN / 16 ? first : second;
+                acc[kSplitN ? n : 0][4 * j + 2 * h] += prod[4 * j + 2 * h] * sc;
+                acc[kSplitN ? n : 0][4 * j + 2 * h + 1] += prod[4 * j + 2 * h + 1] * sc;
+              }
             }
           }
           ++it;
@@ -495,6 +512,9 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
       if constexpr (kGateUp && kQuantisesAct<BM, BN, kMixed, kFp8>) {
         quantise_act(acc[0], prow[0], w.row_end, ct, cw, warp, lane, inter, static_cast<uint8_t*>(out),
                      out_scales, done++);
+      } else if constexpr (kGateUp && kQuantisesActWhole<BM, BN, kMixed, kFp8>) {
+        quantise_act_whole(acc[0], acc[1], prow[0], w.row_end, ct, lane, inter, static_cast<uint8_t*>(out),
+                           out_scales);
       } else {
 #pragma unroll
         for (int u = 0; u < U; ++u)
@@ -619,14 +639,14 @@ cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weight
   const int gu_items = max_tiles * gu_cols, down_items = max_tiles * down_cols * splits;
   const void* a_up = kFp8 ? b.x_fp8 : x;
   const float* a_up_scales = kFp8 ? b.x_scales : nullptr;
+  constexpr bool kActInEpilogue = kQuantisesAct<BM, BN, kMixed, kFp8> || kQuantisesActWhole<BM, BN, kMixed, kFp8>;
   err = launch_dependent(gate_up, dim3(gu_items < sms ? gu_items : sms), dim3(R::kThreads), R::kSmem, stream,
                          gate_up_map, a_up, a_up_scales, b.gate_up_scales, b.order, b.offsets,
                          b.tile_expert, b.tile_row, b.num_tiles, weights, b.hidden, b.inter, b.top_k,
-                         gu_cols, 1, 0LL, kQuantisesAct<BM, BN, kMixed, kFp8> ? b.act_fp8 : static_cast<void*>(act),
-                         b.act_scales);
+                         gu_cols, 1, 0LL, kActInEpilogue ? b.act_fp8 : static_cast<void*>(act), b.act_scales);
   if (err != cudaSuccess) return err;
   const void* a_down = act;
-  if constexpr (kQuantisesAct<BM, BN, kMixed, kFp8>) {
+  if constexpr (kActInEpilogue) {
     a_down = b.act_fp8;
   } else if constexpr (kFp8) {
     // It waits for gate_up to complete before reading act, and down waits for it in turn.
@@ -650,14 +670,19 @@ cudaError_t run_tile(const ExpertBuffers& b, const void* x, const float* weights
   const int max_tiles = shape.max_tiles, sms = shape.sms, splits = shape.sums.splits, tokens = shape.tokens;
   const long long stride = shape.sums.split_stride;
   if (b.gate_up_scales != nullptr) {
-    // FP8 keeps a stage's products beside the sums, so a consumer takes at most 128 weight rows
-    // (64 sums and 64 products a thread): 64-row tiles split 256 weight rows over both
-    // consumers, 128-row tiles take 128 weight rows whether narrow or not.
+    // FP8 keeps a stage's products beside the sums. 64-row tiles split 256 weight rows over both
+    // consumers (64 sums and 64 products a thread); 128-row tiles take 256 weight rows a consumer
+    // as two halves through one product buffer (128 sums and 64 products), or 128 where the grid
+    // is narrow, as bf16 does. 256 against 128 weight rows (H100, moe-bench layer --dtype fp8,
+    // µs, docs/perf/fp8-wide-tiles.md): qwen3-30b-a3b M = 1024 297 -> 280, 2048 395 -> 353, 8192
+    // 1126-1150 -> 959-963; deepseek-v3 8192 9496 -> 8518. A stage moves 48 KB for twice the
+    // products of 32 KB, where L2's bytes bound the GEMM.
     if (tile_m == 64)
       return narrow ? run_gemms<64, 128, false, true>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream)
                     : run_gemms<64, 256, false, true>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream);
     if (tile_m == 128)
-      return run_gemms<128, 128, false, true>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream);
+      return narrow ? run_gemms<128, 128, false, true>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream)
+                    : run_gemms<128, 256, false, true>(b, x, weights, max_tiles, splits, stride, tokens, sms, stream);
     return cudaErrorInvalidValue;
   }
   if (tile_m == 64)

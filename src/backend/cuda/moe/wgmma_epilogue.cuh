@@ -47,6 +47,32 @@ __device__ __forceinline__ void store_row_pairs(__nv_bfloat16* at, uint32_t (&v)
   for (int i = 0; i < 4; i += 2) *reinterpret_cast<uint2*>(at + 8 * (i + q1) + 2 * (q & 2)) = make_uint2(v[i], v[i + 1]);
 }
 
+// The E4M3 codes of 16 act values of one row held by this lane (v[2j + c]: column 8j + 2q + c of
+// a 64-column group), gathered so that lane q holds columns 32g + 8q .. + 7 in out8[g]: the pairs
+// of j = 4g + q from all four lanes of the quad, so that a warp's 8-byte stores cover whole
+// 32-byte sectors. Round t brings lane q the pair of lane (q + t) % 4, which sends the one of
+// j = 4g + (its q - t) % 4. The quad calls it together.
+__device__ __forceinline__ void act_codes(const float (&v)[16], float inverse, int lane, uint2 (&out8)[2]) {
+  const int q = lane % 4;
+  uint32_t pair[8];  // the codes of columns 8j + 2q and 8j + 2q + 1
+#pragma unroll
+  for (int j = 0; j < 8; ++j) pair[j] = fp8_act_codes2(v[2 * j], v[2 * j + 1], inverse);
+#pragma unroll
+  for (int g = 0; g < 2; ++g) {
+    uint64_t bytes = 0;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int want = (q - t) & 3;
+      uint32_t send = pair[4 * g];
+#pragma unroll
+      for (int k = 1; k < 4; ++k) send = want == k ? pair[4 * g + k] : send;
+      const uint32_t got = __shfl_sync(0xffffffffu, send, (lane & ~3) | ((q + t) & 3));
+      bytes |= static_cast<uint64_t>(got) << (16 * ((q + t) & 3));
+    }
+    out8[g] = make_uint2(static_cast<uint32_t>(bytes), static_cast<uint32_t>(bytes >> 32));
+  }
+}
+
 // gate_up's epilogue for FP8 items of 64 x 256 (moe_wgmma_gemm.cu, kQuantisesAct): `a` is one
 // consumer's m64n128 fragment, gate columns in registers 4j + 2h + c for j < 8 and the matching up
 // columns at j + 8. Consumer cw (0 or 1) holds act columns ct * 128 + cw * 64 .. + 63 of its
@@ -87,33 +113,51 @@ __device__ __forceinline__ void quantise_act(const float (&a)[64], const int (&r
     const int r = 16 * warp + lane / 4 + 8 * h;
     const float amax = fmaxf(s_max[parity & 1][0][r], s_max[parity & 1][1][r]);
     const float scale = fp8_act_scale(amax), inverse = fp8_act_inverse(scale);
-    uint32_t pair[8];  // the codes of columns 8j + 2q and 8j + 2q + 1
-#pragma unroll
-    for (int j = 0; j < 8; ++j) pair[j] = fp8_act_codes2(v[h][2 * j], v[h][2 * j + 1], inverse);
-    // Lane q stores columns 32g + 8q .. + 7: the pairs of j = 4g + q from all four lanes of the
-    // quad, so that a warp's store covers whole 32-byte sectors. Round t brings lane q the pair
-    // of lane (q + t) % 4, which sends the one of j = 4g + (its q - t) % 4.
     uint2 out8[2];
-#pragma unroll
-    for (int g = 0; g < 2; ++g) {
-      uint64_t bytes = 0;
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const int want = (q - t) & 3;
-        uint32_t send = pair[4 * g];
-#pragma unroll
-        for (int k = 1; k < 4; ++k) send = want == k ? pair[4 * g + k] : send;
-        const uint32_t got = __shfl_sync(0xffffffffu, send, (lane & ~3) | ((q + t) & 3));
-        bytes |= static_cast<uint64_t>(got) << (16 * ((q + t) & 3));
-      }
-      out8[g] = make_uint2(static_cast<uint32_t>(bytes), static_cast<uint32_t>(bytes >> 32));
-    }
+    act_codes(v[h], inverse, lane, out8);
     const int p = rows[h];
     if (p >= row_end) continue;
     uint8_t* row = codes + static_cast<size_t>(p) * inter + ct * 128 + cw * 64;
 #pragma unroll
     for (int g = 0; g < 2; ++g) *reinterpret_cast<uint2*>(row + 32 * g + 8 * q) = out8[g];
     if (cw == 0 && q == 0) scales[static_cast<size_t>(p) * (inter / 128) + ct] = scale;
+  }
+}
+
+// gate_up's epilogue for FP8 items of 128 x 256 (kQuantisesActWhole): a consumer holds its 64
+// rows x 256 weight rows as two m64n128 halves, the gate rows' products `g` and the up rows' `u`,
+// register 4j + 2h + c of each for act column ct * 128 + 8j + 2q + c (j < 16): a whole scale
+// block of each of its rows, quantised with no exchange. rows, row_end, lane as in quantise_act;
+// the same values, scales and codes.
+__device__ __forceinline__ void quantise_act_whole(const float (&g)[64], const float (&u)[64], const int (&rows)[2],
+                                                   int row_end, int ct, int lane, int inter,
+                                                   uint8_t* __restrict__ codes, float* __restrict__ scales) {
+  const int q = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float v[2][16], m = 0.f;  // v[0]: columns 0-63 of the block, v[1]: 64-127
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float x = __bfloat162float(__float2bfloat16_rn(silu(g[4 * j + 2 * h + c]) * u[4 * j + 2 * h + c]));
+        v[j / 8][2 * (j % 8) + c] = x;
+        m = fmaxf(m, fabsf(x));
+      }
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const float scale = fp8_act_scale(m), inverse = fp8_act_inverse(scale);
+    uint2 out8[2][2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) act_codes(v[k], inverse, lane, out8[k]);
+    const int p = rows[h];
+    if (p >= row_end) continue;
+    uint8_t* row = codes + static_cast<size_t>(p) * inter + ct * 128;
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) *reinterpret_cast<uint2*>(row + 64 * k + 32 * i + 8 * q) = out8[k][i];
+    if (q == 0) scales[static_cast<size_t>(p) * (inter / 128) + ct] = scale;
   }
 }
 
