@@ -340,7 +340,7 @@ TEST(CudaFp8, HopperActOf128RowTilesMatchesTheQuantisingKernel) {
 }
 
 // The block width of the FP8 wgmma path at the row counts it was measured at (H100, 2026-11-27,
-// bench/gpu_fp8_h100.md): 128 weight rows while the routed rows are at most the experts, else
+// bench/gpu_fp8_decode_h100.md): 128 weight rows while the routed rows are at most the experts, else
 // the general rule's, which for these shapes is 256.
 TEST(CudaFp8, HopperBlocksNarrowOnlyWhereExpertsAverageAtMostOneRow) {
   namespace hx = cuda::heuristics;
