@@ -1,13 +1,13 @@
 // Paged attention on the GPU against moe::cpu::attention, run per sequence on contiguous f32
 // copies of the same bf16 values. Every case runs every kernel (the row kernel with its context
-// splits, and the tiled and decode tensor-core kernels where the head dim has them) and the
-// automatic choice.
+// splits, the tiled and decode tensor-core kernels where the head dim has them, the wgmma kernel
+// where the device and head dim run it) and the automatic choice.
 // Block tables are shuffled; cache rows that no sequence may read (past a context, unused blocks,
 // table entries past a sequence's last block) hold NaN, and the output is poisoned with NaN, so a
 // stray read or a missed write shows up as a non-finite result.
 //
 // Bound: max |gpu - cpu| / max |cpu| <= 2^-7 per case. The output is rounded to bf16 (2^-9
-// relative of each value); the tiled kernel also rounds the softmax weights to bf16 before P V
+// relative of each value); the tiled and wgmma kernels also round the softmax weights to bf16 before P V
 // (2^-9 relative per weight, averaging out over keys; the decode kernel does the same); f32
 // summation order differs. Two 2^-8
 // leaves margin over those and is far below what a wrong key, head or mask produces (order 1).
@@ -158,6 +158,7 @@ void check_batch(const Shape& sh, const Batch& b, uint32_t seed) {
   std::vector<AttentionPath> paths = {AttentionPath::kAuto, AttentionPath::kRow};
   if (cuda::kernels::paged_attention_has_tiled(sh.head_dim)) paths.push_back(AttentionPath::kTiled);
   if (cuda::kernels::paged_attention_has_decode(sh.head_dim)) paths.push_back(AttentionPath::kDecode);
+  if (cuda::kernels::paged_attention_has_wgmma(sh.head_dim)) paths.push_back(AttentionPath::kWgmma);
   for (AttentionPath path : paths) {
     const double err = gputest::max_rel_error(c.run(path), ref);
     EXPECT_LE(err, kBound) << "path " << static_cast<int>(path) << " q_heads " << sh.q_heads
@@ -189,6 +190,20 @@ TEST(CudaAttention, PrefillFresh) {
   check_batch({4, 2, 128, 16}, {{700}, {700}}, seed++);  // many tiles, a ragged last one
 }
 
+// Prefill shapes of the 128-row kernels: the qwen3 head layout over several 128-key tiles, a last
+// tile of 1 and of 127 rows, sequences whose first row sits mid-tile behind a cached prefix (the
+// diagonal crossing a warpgroup's rows anywhere), and a batch mixing them with decode rows.
+TEST(CudaAttention, PrefillLongTiles) {
+  REQUIRE_GPU();
+  const Shape sh{8, 1, 128, 16};
+  uint32_t seed = 140;
+  check_batch(sh, {{1025}, {1025}}, seed++);
+  check_batch(sh, {{639}, {639}}, seed++);
+  check_batch(sh, {{300, 200}, {1000, 263}}, seed++);
+  check_batch({32, 4, 128, 16}, {{129, 1, 64, 250}, {129, 900, 1064, 250}}, seed++);
+  check_batch({16, 16, 128, 32}, {{190}, {450}}, seed++);
+}
+
 TEST(CudaAttention, PrefillContinuingPrefix) {
   REQUIRE_GPU();
   uint32_t seed = 40;
@@ -214,13 +229,29 @@ TEST(CudaAttention, BlockSizesAndOddHeadDims) {
   check_batch({12, 4, 64, 16}, b, seed++);  // groups of 3 heads
 }
 
+// The wgmma kernel runs head dim 128 only; asked for another, or on a device without wgmma, the call
+// is refused rather than run.
+TEST(CudaAttention, WgmmaPathRefusesWhatItDoesNotRun) {
+  REQUIRE_GPU();
+  PagedCase c({8, 2, 64, 16}, {{150}, {150}}, 150, 160);
+  c.prepare(AttentionPath::kWgmma);
+  EXPECT_EQ(cuda::kernels::paged_attention(c.params(), nullptr), cudaErrorInvalidValue);
+  PagedCase d({8, 2, 128, 16}, {{150}, {150}}, 150, 161);
+  d.prepare(AttentionPath::kWgmma);
+  const cudaError_t want = cuda::kernels::paged_attention_has_wgmma(128) ? cudaSuccess : cudaErrorInvalidValue;
+  EXPECT_EQ(cuda::kernels::paged_attention(d.params(), nullptr), want);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 // The same launch (host fields fixed, as in a captured graph) with longer device context_lens.
 TEST(CudaAttention, ReplayWithLongerContexts) {
   REQUIRE_GPU();
   const Shape sh{32, 4, 128, 16};
   const int max_context = 2100;
-  for (AttentionPath path :
-       {AttentionPath::kAuto, AttentionPath::kRow, AttentionPath::kTiled, AttentionPath::kDecode}) {
+  std::vector<AttentionPath> paths = {AttentionPath::kAuto, AttentionPath::kRow, AttentionPath::kTiled,
+                                      AttentionPath::kDecode};
+  if (cuda::kernels::paged_attention_has_wgmma(sh.head_dim)) paths.push_back(AttentionPath::kWgmma);
+  for (AttentionPath path : paths) {
     PagedCase c(sh, {{1, 1, 1}, {100, 5, 700}}, max_context, 100);
     c.prepare(path);
     EXPECT_LE(gputest::max_rel_error(c.launch(), c.reference()), kBound) << "first, path " << static_cast<int>(path);
@@ -346,8 +377,13 @@ TEST(CudaAttention, Timing) {
     AttentionPath path;
   };
   for (const T& t : {T{"prefill 4096 tiled", {{4096}, {4096}}, AttentionPath::kTiled},
+                     T{"prefill 4096 wgmma", {{4096}, {4096}}, AttentionPath::kWgmma},
+                     T{"prefill 2048 tiled", {{2048}, {2048}}, AttentionPath::kTiled},
+                     T{"prefill 2048 wgmma", {{2048}, {2048}}, AttentionPath::kWgmma},
                      T{"prefill 1024 row", {{1024}, {1024}}, AttentionPath::kRow},
-                     T{"prefill 1024 tiled", {{1024}, {1024}}, AttentionPath::kTiled}}) {
+                     T{"prefill 1024 tiled", {{1024}, {1024}}, AttentionPath::kTiled},
+                     T{"prefill 1024 wgmma", {{1024}, {1024}}, AttentionPath::kWgmma}}) {
+    if (t.path == AttentionPath::kWgmma && !cuda::kernels::paged_attention_has_wgmma(sh.head_dim)) continue;
     PagedCase c(sh, t.b, max_of(t.b.ctx), 7);
     c.prepare(t.path);
     const double us = graph_us(c.params(), nullptr);

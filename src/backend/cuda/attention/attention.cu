@@ -1,8 +1,8 @@
 // Attention over a paged KV cache (attention_launch.h), bf16 in and out, f32 softmax and
 // accumulation: the checks of a call, the choice of its kernel and the size of its workspace.
 //
-// Three kernels, each correct for every input (decode rows, prefill rows, mixed batches), a file
-// each:
+// Four kernels, each correct for every input it runs (decode rows, prefill rows, mixed batches), a
+// file each:
 // - attention_row.cu: one block per (query row, group of query heads sharing a kv head, context
 //   split), plain f32 FMAs; long contexts split and merged (flash-decoding). The reference, and
 //   the path for head dims the others lack.
@@ -10,9 +10,11 @@
 //   tiles, K/V streamed by cp.async per warp, and the split count chosen per row on the device.
 // - attention_tiled.cu: one block per (64 rows of one sequence, one query head), key tiles of 64
 //   on mma.sync tensor cores (FlashAttention-2 layout): prefill.
+// - attention_wgmma.cu: one block per (128 rows of one sequence, one query head), key tiles of 128
+//   on wgmma through a three-stage ring: prefill on compute capability 9.0 at head dim 128.
 // Sequence lengths are read on the device; the host sizes only bound the grid. The kernels share
-// attention_device.cuh; the two tensor-core ones share mma_sync.cuh and online_softmax.cuh with the
-// latent attention kernel (latent_attention.cu).
+// attention_device.cuh; the three tensor-core ones share mma_sync.cuh and online_softmax.cuh with
+// the latent attention kernel (latent_attention.cu).
 // Only CUDA headers here.
 #include <cuda_runtime.h>
 
@@ -43,6 +45,10 @@ bool paged_attention_has_decode(int head_dim) {
   return head_dim == 32 || head_dim == 64 || head_dim == 128;
 }
 
+bool paged_attention_has_wgmma(int head_dim) {
+  return head_dim == 128 && attention_detail::wgmma_attention_device();
+}
+
 cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream) {
   const bool pow2_block = (p.block_size & (p.block_size - 1)) == 0;
   if (p.num_seqs <= 0 || p.tokens < 0 || p.q_heads <= 0 || p.kv_heads <= 0 ||
@@ -56,12 +62,16 @@ cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream) 
     // Rows per sequence on average: decode has one, prefill hundreds. Below 16 most 64-row tiles
     // would be padding.
     const bool many_rows = p.tokens >= 16 * p.num_seqs;
-    if (many_rows && paged_attention_has_tiled(p.head_dim)) path = AttentionPath::kTiled;
+    if (many_rows && paged_attention_has_wgmma(p.head_dim)) path = AttentionPath::kWgmma;
+    else if (many_rows && paged_attention_has_tiled(p.head_dim)) path = AttentionPath::kTiled;
     else if (paged_attention_has_decode(p.head_dim)) path = AttentionPath::kDecode;
     else path = AttentionPath::kRow;
   }
   switch (path) {
     case AttentionPath::kTiled: return attention_detail::run_tiled(p, stream);
+    case AttentionPath::kWgmma:
+      if (!paged_attention_has_wgmma(p.head_dim)) return cudaErrorInvalidValue;
+      return attention_detail::run_wgmma(p, stream);
     case AttentionPath::kDecode: return attention_detail::run_decode(p, stream);
     default: return attention_detail::run_row(p, stream);
   }

@@ -1,6 +1,7 @@
 // Device code shared by the paged attention kernels (attention_row.cu, attention_tiled.cu,
-// attention_decode.cu): their block size, warp reductions, where a cache position lives and which
-// sequence a row belongs to. CUDA headers only.
+// attention_decode.cu, attention_wgmma.cu): their block size, warp reductions, where a cache
+// position lives, which sequence a row belongs to and which rows a prefill block takes. CUDA
+// headers only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,6 +10,7 @@
 #include <cstdint>
 
 #include "backend/cuda/attention/attention_launch.h"
+#include "backend/cuda/mma_sync.cuh"
 
 namespace moe::cuda::kernels::attention_detail {
 
@@ -46,6 +48,61 @@ __device__ __forceinline__ int find_seq(const int32_t* starts, int num_seqs, int
     else hi = mid - 1;
   }
   return lo;
+}
+
+// The rows of one block of the prefill kernels (attention_tiled.cu, attention_wgmma.cu): tiles of
+// `tile_rows` rows numbered sequence by sequence, the grid's x counted from the back so that the
+// longest causal tiles (a sequence's last) start first.
+struct RowTile {
+  int seq;   // -1: the block has no tile (the grid is sized for the worst case)
+  int row0;  // first row of the tile in q and out
+  int rows;  // rows of the tile, <= tile_rows
+  int pos0;  // cache position of the tile's row 0 (negative rows see no key)
+};
+
+__device__ __forceinline__ RowTile find_row_tile(const PagedAttentionParams& p, int tile_rows) {
+  RowTile t{-1, 0, 0, 0};
+  int tile = gridDim.x - 1 - blockIdx.x;
+  for (int s = 0; s < p.num_seqs; ++s) {
+    const int nt = (p.seq_starts[s + 1] - p.seq_starts[s] + tile_rows - 1) / tile_rows;
+    if (tile < nt) {
+      t.seq = s;
+      break;
+    }
+    tile -= nt;
+  }
+  if (t.seq < 0) return t;
+  const int n = p.seq_starts[t.seq + 1] - p.seq_starts[t.seq];
+  t.row0 = p.seq_starts[t.seq] + tile * tile_rows;
+  t.rows = min(tile_rows, n - tile * tile_rows);
+  t.pos0 = p.context_lens[t.seq] - n + tile * tile_rows;
+  return t;
+}
+
+// The end of a prefill kernel's rows (attention_tiled.cu, attention_wgmma.cu): l summed over the
+// quad, then O / l rounded to bf16 into out for this thread's rows ra and ra + 8 of the tile (those
+// below `rows`) and query head `head`; o in the m16n8 accumulator layout (two dims of each n8
+// tile). A row that saw no key (l = 0) gets zeros.
+template <int D>
+__device__ __forceinline__ void store_row_pair(const PagedAttentionParams& p, const float (&o)[D / 8][4], float l_a,
+                                               float l_b, int row0, int ra, int rows, int head) {
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
+  }
+  const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+  const int rb = ra + 8, tq = threadIdx.x % 4;
+#pragma unroll
+  for (int nd = 0; nd < D / 8; ++nd) {
+    const int d = nd * 8 + 2 * tq;
+    if (ra < rows)
+      *reinterpret_cast<uint32_t*>(p.out + ((size_t)(row0 + ra) * p.q_heads + head) * D + d) =
+          pack_bf16(o[nd][0] * inv_a, o[nd][1] * inv_a);
+    if (rb < rows)
+      *reinterpret_cast<uint32_t*>(p.out + ((size_t)(row0 + rb) * p.q_heads + head) * D + d) =
+          pack_bf16(o[nd][2] * inv_b, o[nd][3] * inv_b);
+  }
 }
 
 }  // namespace moe::cuda::kernels::attention_detail

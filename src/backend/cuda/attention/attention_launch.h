@@ -21,15 +21,17 @@
 
 namespace moe::cuda::kernels {
 
-// Which kernel serves the call. kAuto picks by the host sizes: the tiled tensor-core kernel when
-// sequences average many rows (prefill) and the head dim has an instantiation, otherwise the decode
-// kernel where the head dim has one, otherwise the row kernel. Each is correct for every input;
-// the tests run each on every case.
+// Which kernel serves the call. kAuto picks by the host sizes and the device: when sequences
+// average many rows (prefill), the wgmma kernel where it runs (head dim 128, compute capability
+// 9.0), else the tiled tensor-core kernel where the head dim has an instantiation; otherwise the
+// decode kernel where the head dim has one, otherwise the row kernel. Each is correct for every
+// input; the tests run each on every case it runs.
 enum class AttentionPath : int {
   kAuto = 0,
   kRow = 1,     // one block per (row, group of query heads, context split), f32 FMAs: the reference
   kTiled = 2,   // 64 rows of one head per block, mma.sync bf16: prefill
   kDecode = 3,  // one block per (row, up to 16 heads of a kv head, context split), mma.sync bf16
+  kWgmma = 4,   // 128 rows of one head per block, wgmma bf16 (sm_90a, head dim 128): prefill
 };
 
 struct PagedAttentionParams {
@@ -68,6 +70,10 @@ bool paged_attention_has_tiled(int head_dim);
 
 // Whether the decode (tensor-core) kernel has an instantiation for this head dim.
 bool paged_attention_has_decode(int head_dim);
+
+// Whether the wgmma kernel runs this head dim on the current device (128, compute capability 9.0).
+// A call for kWgmma where it does not is cudaErrorInvalidValue.
+bool paged_attention_has_wgmma(int head_dim);
 
 cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream);
 

@@ -1,6 +1,6 @@
 // The interface between attention.cu, the entry of paged attention (attention_launch.h), and its
-// three kernels, one file each: attention_row.cu, attention_tiled.cu and attention_decode.cu (see
-// AttentionPath). The entry checks a call, picks its path and sizes the workspace from the row and
+// four kernels, one file each: attention_row.cu, attention_tiled.cu, attention_decode.cu and
+// attention_wgmma.cu (see AttentionPath). The entry checks a call, picks its path and sizes the workspace from the row and
 // decode kernels' split plans; each path sizes its own grid. Host code.
 #pragma once
 
@@ -25,9 +25,13 @@ struct DecodePlan {
 };
 DecodePlan plan_decode(int tokens, int max_context, int split_keys);
 
-// The three paths, for a call that paged_attention has checked, with tokens > 0.
+// The four paths, for a call that paged_attention has checked, with tokens > 0.
 cudaError_t run_row(const PagedAttentionParams& p, cudaStream_t stream);
 cudaError_t run_tiled(const PagedAttentionParams& p, cudaStream_t stream);
 cudaError_t run_decode(const PagedAttentionParams& p, cudaStream_t stream);
+cudaError_t run_wgmma(const PagedAttentionParams& p, cudaStream_t stream);
+
+// Whether the current device runs the wgmma kernel (attention_wgmma.cu): compute capability 9.0.
+bool wgmma_attention_device();
 
 }  // namespace moe::cuda::kernels::attention_detail

@@ -24,9 +24,10 @@ constexpr int kTileK = 64;
 
 // grid: x = tile slot (counted from the back, so the longest causal tiles start first),
 // y = query head. Three blocks a multiprocessor: left to itself ptxas took 169 registers at D =
-// 128, which fits two (8 warps); capped at 168 it spills 64 bytes, and a 2048-token prefill's
-// attention fell 16.8 -> 14.7 ms (qwen3-30b-a3b, H100; the prefill +4-5% in bf16 and FP8,
-// bench/gpu_fp8_h100.md).
+// 128, which fits two (8 warps); capped at 168 it spilled 64 bytes (none since the row stores
+// moved into store_row_pair), and a 2048-token prefill's attention fell 16.8 -> 14.7 ms
+// (qwen3-30b-a3b, H100; the prefill +4-5% in bf16 and FP8, bench/gpu_fp8_h100.md). On compute
+// capability 9.0 at D = 128 the wgmma kernel (attention_wgmma.cu) takes prefill instead.
 template <int D>
 __global__ void __launch_bounds__(kThreads, 3) tiled_attention_kernel(const PagedAttentionParams p) {
   constexpr int kStride = D + 8;  // bf16 elements per shared row
@@ -34,25 +35,12 @@ __global__ void __launch_bounds__(kThreads, 3) tiled_attention_kernel(const Page
   __shared__ __align__(16) uint16_t s_k[kTileK * kStride];
   __shared__ __align__(16) uint16_t s_v[kTileK * kStride];
 
-  // Find (sequence, tile): tiles are numbered sequence by sequence.
-  int tile = gridDim.x - 1 - blockIdx.x;
-  int seq = -1;
-  for (int s = 0; s < p.num_seqs; ++s) {
-    const int nt = (p.seq_starts[s + 1] - p.seq_starts[s] + kTileQ - 1) / kTileQ;
-    if (tile < nt) {
-      seq = s;
-      break;
-    }
-    tile -= nt;
-  }
-  if (seq < 0) return;
+  const RowTile rt = find_row_tile(p, kTileQ);
+  if (rt.seq < 0) return;
+  const int seq = rt.seq, row0 = rt.row0, rows = rt.rows, pos0 = rt.pos0;
   const int head = blockIdx.y;
   const int kvh = head / (p.q_heads / p.kv_heads);
-  const int n = p.seq_starts[seq + 1] - p.seq_starts[seq];
-  const int row0 = p.seq_starts[seq] + tile * kTileQ;
-  const int rows = min(kTileQ, n - tile * kTileQ);
-  const int pos0 = p.context_lens[seq] - n + tile * kTileQ;  // position of the tile's row 0
-  const int kv_end = pos0 + rows;                             // keys this tile can see
+  const int kv_end = pos0 + rows;  // keys this tile can see
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int gr = lane / 4, tq = lane % 4;
   const int block_shift = __ffs(p.block_size) - 1;
@@ -135,24 +123,7 @@ __global__ void __launch_bounds__(kThreads, 3) tiled_attention_kernel(const Page
     __syncthreads();
   }
 
-  // Every thread of the quad gets its rows' whole l.
-#pragma unroll
-  for (int off = 1; off < 4; off <<= 1) {
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
-  }
-  const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
-  const int ra = warp * 16 + gr, rb = ra + 8;
-#pragma unroll
-  for (int nd = 0; nd < D / 8; ++nd) {
-    const int d = nd * 8 + 2 * tq;
-    if (ra < rows)
-      *reinterpret_cast<uint32_t*>(p.out + ((size_t)(row0 + ra) * p.q_heads + head) * D + d) =
-          pack_bf16(o[nd][0] * inv_a, o[nd][1] * inv_a);
-    if (rb < rows)
-      *reinterpret_cast<uint32_t*>(p.out + ((size_t)(row0 + rb) * p.q_heads + head) * D + d) =
-          pack_bf16(o[nd][2] * inv_b, o[nd][3] * inv_b);
-  }
+  store_row_pair<D>(p, o, l_a, l_b, row0, warp * 16 + gr, rows, head);
 }
 
 }  // namespace

@@ -1,8 +1,9 @@
-// The online softmax of the tensor-core attention kernels: the paged tiled and decode kernels
-// (attention_tiled.cu, attention_decode.cu) and the latent kernel (latent_attention.cu). All three
-// hold a score tile S = Q K^T in mma.sync m16n8k16 accumulators and walk the keys tile by tile, so
-// they share one copy of the step that folds a tile into the running softmax: the -inf handling
-// and the rescaling are written once, and a fix to them reaches all three kernels.
+// The online softmax of the tensor-core attention kernels: the paged tiled, decode and wgmma
+// kernels (attention_tiled.cu, attention_decode.cu, attention_wgmma.cu) and the latent kernel
+// (latent_attention.cu). All four hold a score tile S = Q K^T in m16n8k16-layout accumulators
+// (wgmma's m64 accumulators are that layout per warp) and walk the keys tile by tile, so they share
+// one copy of the step that folds a tile into the running softmax: the -inf handling and the
+// rescaling are written once, and a fix to them reaches every kernel.
 //
 // What it computes, per query row, over the key tiles seen so far (FlashAttention-2):
 //   m = max of the scores,  l = sum of exp2(score - m),  O = sum of exp2(score - m) * V.
@@ -51,6 +52,15 @@ struct TileMax {
   float alpha_a, alpha_b;  // exp2(m_old - m_new): multiplies the l and O accumulated so far
 };
 
+// Each thread of a quad (the four threads that share a row pair) gets the quad's max of a and b.
+__device__ __forceinline__ void quad_max(float& a, float& b) {
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, off));
+    b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, off));
+  }
+}
+
 // The scores of a tile are S = Q K^T scaled into the log2 domain, at -inf where a row may not see
 // the key. A kernel that has them ready passes AlreadyMasked; one that holds the raw products
 // passes a functor mask(nt, s[nt]) that scales and masks n8 tile nt in place, within the same pass
@@ -69,11 +79,7 @@ __device__ __forceinline__ TileMax raise_running_max(float (&s)[NT][4], float m_
     mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
     mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
   }
-#pragma unroll
-  for (int off = 1; off < 4; off <<= 1) {
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
-  }
+  quad_max(mx_a, mx_b);
   TileMax t;
   t.m_a = fmaxf(m_a, mx_a);
   t.m_b = fmaxf(m_b, mx_b);
@@ -143,6 +149,54 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[NT][4], float (&o
   l_a = l_a * t.alpha_a + sum.a;
   l_b = l_b * t.alpha_b + sum.b;
   rescale_rows(o, t);
+}
+
+// The raw-score form, for a kernel whose softmax issue rate bounds it (attention_wgmma.cu): the
+// scores are the bare products Q K^T (masked to -inf where a row may not see a key), the max is
+// taken before scaling (scale = softmax scale * log2(e) > 0 keeps the order), and each weight is
+// exp2(s * scale - m) in one FFMA and one ex2 with subnormal results flushed to zero (weights below
+// 2^-126 of the row's largest, far under what bf16 P keeps). m, alpha and the weights mean what
+// they mean in the functions above; only fewer instructions compute them.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// raise_running_max for raw scores s (masked already); m_a, m_b in the scaled domain.
+template <int NT>
+__device__ __forceinline__ TileMax raise_running_max_raw(const float (&s)[NT][4], float m_a, float m_b, float scale) {
+  float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+    mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
+  }
+  quad_max(mx_a, mx_b);
+  TileMax t;
+  t.m_a = fmaxf(m_a, mx_a * scale);
+  t.m_b = fmaxf(m_b, mx_b * scale);
+  t.use_a = t.m_a == -INFINITY ? 0.f : t.m_a;
+  t.use_b = t.m_b == -INFINITY ? 0.f : t.m_b;
+  t.alpha_a = exp2_ftz(m_a - t.use_a);
+  t.alpha_b = exp2_ftz(m_b - t.use_b);
+  return t;
+}
+
+// tile_weights_and_sums for raw scores: s becomes exp2(s * scale - m).
+template <int NT>
+__device__ __forceinline__ RowPair tile_weights_and_sums_raw(float (&s)[NT][4], const TileMax& t, float scale) {
+  float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    s[nt][0] = exp2_ftz(fmaf(s[nt][0], scale, -t.use_a));
+    s[nt][1] = exp2_ftz(fmaf(s[nt][1], scale, -t.use_a));
+    s[nt][2] = exp2_ftz(fmaf(s[nt][2], scale, -t.use_b));
+    s[nt][3] = exp2_ftz(fmaf(s[nt][3], scale, -t.use_b));
+    sum_a += s[nt][0] + s[nt][1];
+    sum_b += s[nt][2] + s[nt][3];
+  }
+  return {sum_a, sum_b};
 }
 
 // Host side: where a kernel that splits each row's keys over blocks leaves the splits' partial

@@ -38,7 +38,7 @@
 #include "backend/cuda/moe/moe_heuristics.h"
 #include "backend/cuda/moe/moe_wgmma_gemm.h"
 #include "backend/cuda/pdl.h"
-#include "backend/cuda/moe/sm90_async.cuh"
+#include "backend/cuda/sm90_async.cuh"
 #include "backend/cuda/moe/wgmma_epilogue.cuh"
 #include "backend/cuda/ops/fp8_blocks_launch.h"
 

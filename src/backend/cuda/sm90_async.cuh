@@ -1,7 +1,8 @@
 // The asynchronous machinery of sm_90a as thin PTX wrappers, for kernels that run a pipeline of
-// TMA loads, cp.async gathers and wgmma products through shared memory (moe_wgmma_gemm.cu):
-// cp.async, mbarriers, the generic-to-async proxy fence, 2-D TMA loads, setmaxnreg, wgmma with
-// its fence, commit and wait, and the descriptor of a 128-byte-swizzled K-major operand. Kept
+// TMA loads, cp.async gathers and wgmma products through shared memory (moe_wgmma_gemm.cu,
+// attention_wgmma.cu): cp.async, mbarriers, the generic-to-async proxy fence, 2-D TMA loads,
+// setmaxnreg, wgmma with its fence, commit and wait (A from shared memory or from registers), and
+// the descriptors of 128-byte-swizzled K-major and MN-major operands. Kept
 // apart from the kernels so that a kernel file reads as its pipeline and each instruction's
 // operands and clobbers are written down once. wgmma and setmaxnreg exist in sm_90a machine code
 // only (TMA and the transaction-count mbarriers from sm_90 on): a kernel that uses them compiles
@@ -105,8 +106,9 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
   return d;
 }
 
-// Generated: d (f32, 64 x N, the wgmma fragment layout) += A(desc a) * B(desc b)^T, both K-major.
-__device__ __forceinline__ void wgmma_m64n128(float (&d)[64], uint64_t a, uint64_t b) {
+// Generated: d (f32, 64 x N, the wgmma fragment layout) += A(desc a) * B(desc b)^T, both K-major
+// (m64n128: d = the product where `accumulate` is 0, attention's first k step of S = Q K^T).
+__device__ __forceinline__ void wgmma_m64n128(float (&d)[64], uint64_t a, uint64_t b, int accumulate = 1) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
@@ -123,7 +125,7 @@ __device__ __forceinline__ void wgmma_m64n128(float (&d)[64], uint64_t a, uint64
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b), "r"(1));
+      : "l"(a), "l"(b), "r"(accumulate));
 }
 
 __device__ __forceinline__ void wgmma_m64n256(float (&d)[128], uint64_t a, uint64_t b) {
@@ -222,6 +224,42 @@ __device__ __forceinline__ void wgmma_tile_e4m3(float (&d)[N / 2], uint64_t a, u
   static_assert(N == 128 || N == 64, "FP8 tiles of 64 or 128 weight rows");
   if constexpr (N == 128) wgmma_m64n128_e4m3(d, a, b, accumulate);
   else wgmma_m64n64_e4m3(d, a, b, accumulate);
+}
+
+// Shared-memory matrix descriptor of an MN-major operand in 128-byte swizzle (16-bit types only,
+// which wgmma may read transposed): each k row holds 64 consecutive MN elements (128 bytes), 8 k
+// rows make a 1024-byte atom, the next 8 k rows follow 1024 bytes on (stride byte offset), and the
+// next 64 MN elements lie `mn_stride` bytes on (leading byte offset). Stepping k by 16 adds 2048
+// bytes. Attention's V tile ([key][dim], dims contiguous) is the B of O += P V in this form.
+__device__ __forceinline__ uint64_t sw128_desc_mn(uint32_t addr, uint32_t mn_stride) {
+  uint64_t d = (addr & 0x3FFFFu) >> 4;
+  d |= uint64_t{(mn_stride >> 4) & 0x3FFFu} << 16;
+  d |= uint64_t{1024 >> 4} << 32;
+  d |= uint64_t{1} << 62;
+  return d;
+}
+
+// Generated: d (f32, 64 x 128) += A * B, A (64 x 16 bf16) from registers in the mma.sync m16k16
+// fragment layout (warp w of the warpgroup holds rows 16w..16w+15), B (16 x 128) an MN-major
+// descriptor (sw128_desc_mn), read transposed. Attention's O += P V with P left in registers.
+__device__ __forceinline__ void wgmma_m64n128_rs_mn(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
 }  // namespace moe::cuda::kernels::sm90
