@@ -60,9 +60,14 @@ cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream) 
   AttentionPath path = p.path;
   if (path == AttentionPath::kAuto) {
     // Rows per sequence on average: decode has one, prefill hundreds. Below 16 most 64-row tiles
-    // would be padding.
+    // would be padding. The wgmma kernel takes a call only where sequences average a whole 128-row
+    // block: it computes 128 rows a block however few the sequence has, one block a
+    // multiprocessor, so a decode row beside a prompt chunk (a serving step) would cost it a full
+    // tile over its context where the tiled kernel's 64-row blocks share a multiprocessor three at
+    // a time. It was measured on single prompts; where the two cross in mixed steps was not.
     const bool many_rows = p.tokens >= 16 * p.num_seqs;
-    if (many_rows && paged_attention_has_wgmma(p.head_dim)) path = AttentionPath::kWgmma;
+    const bool full_blocks = p.tokens >= 128 * p.num_seqs;
+    if (full_blocks && paged_attention_has_wgmma(p.head_dim)) path = AttentionPath::kWgmma;
     else if (many_rows && paged_attention_has_tiled(p.head_dim)) path = AttentionPath::kTiled;
     else if (paged_attention_has_decode(p.head_dim)) path = AttentionPath::kDecode;
     else path = AttentionPath::kRow;

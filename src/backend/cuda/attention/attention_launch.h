@@ -22,10 +22,11 @@
 namespace moe::cuda::kernels {
 
 // Which kernel serves the call. kAuto picks by the host sizes and the device: when sequences
-// average many rows (prefill), the wgmma kernel where it runs (head dim 128, compute capability
-// 9.0), else the tiled tensor-core kernel where the head dim has an instantiation; otherwise the
-// decode kernel where the head dim has one, otherwise the row kernel. Each is correct for every
-// input; the tests run each on every case it runs.
+// average a 128-row block or more (prompts alone), the wgmma kernel where it runs (head dim 128,
+// compute capability 9.0); when they average 16 rows or more, the tiled tensor-core kernel where
+// the head dim has an instantiation; otherwise the decode kernel where the head dim has one,
+// otherwise the row kernel. Each is correct for every input; the tests run each on every case it
+// runs.
 enum class AttentionPath : int {
   kAuto = 0,
   kRow = 1,     // one block per (row, group of query heads, context split), f32 FMAs: the reference
