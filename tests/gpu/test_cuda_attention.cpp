@@ -229,6 +229,23 @@ TEST(CudaAttention, BlockSizesAndOddHeadDims) {
   check_batch({12, 4, 64, 16}, b, seed++);  // groups of 3 heads
 }
 
+// kAuto's choice from the host sizes (no GPU needed): prompts alone take the wgmma kernel where the
+// device runs it; a serving step mixing decode rows with a prompt chunk, and devices or head dims
+// without it, the tiled kernel; decode batches the decode kernel; head dims without tensor-core
+// kernels the row kernel.
+TEST(CudaAttention, AutoPathByRowsPerSequence) {
+  using cuda::kernels::paged_attention_auto_path;
+  EXPECT_EQ(paged_attention_auto_path(2048, 1, 128, true), AttentionPath::kWgmma);
+  EXPECT_EQ(paged_attention_auto_path(4 * 512, 4, 128, true), AttentionPath::kWgmma);
+  EXPECT_EQ(paged_attention_auto_path(256, 1, 128, true), AttentionPath::kWgmma);    // a chunk alone
+  EXPECT_EQ(paged_attention_auto_path(256, 10, 128, true), AttentionPath::kTiled);   // 9 decodes + a chunk
+  EXPECT_EQ(paged_attention_auto_path(2048, 1, 128, false), AttentionPath::kTiled);
+  EXPECT_EQ(paged_attention_auto_path(2048, 1, 64, true), AttentionPath::kTiled);
+  EXPECT_EQ(paged_attention_auto_path(64, 64, 128, true), AttentionPath::kDecode);
+  EXPECT_EQ(paged_attention_auto_path(150, 10, 128, true), AttentionPath::kDecode);  // 15 rows a sequence
+  EXPECT_EQ(paged_attention_auto_path(2048, 1, 96, true), AttentionPath::kRow);
+}
+
 // The wgmma kernel runs head dim 128 only; asked for another, or on a device without wgmma, the call
 // is refused rather than run.
 TEST(CudaAttention, WgmmaPathRefusesWhatItDoesNotRun) {

@@ -49,6 +49,21 @@ bool paged_attention_has_wgmma(int head_dim) {
   return head_dim == 128 && attention_detail::wgmma_attention_device();
 }
 
+AttentionPath paged_attention_auto_path(int tokens, int num_seqs, int head_dim, bool wgmma_device) {
+  // Rows per sequence on average: decode has one, prefill hundreds. Below 16 most 64-row tiles
+  // would be padding. The wgmma kernel takes a call only where sequences average a whole 128-row
+  // block: it computes 128 rows a block however few the sequence has, one block a
+  // multiprocessor, so a decode row beside a prompt chunk (a serving step) would cost it a full
+  // tile over its context where the tiled kernel's 64-row blocks share a multiprocessor three at
+  // a time. It was measured on single prompts; where the two cross in mixed steps was not.
+  const bool many_rows = tokens >= 16 * num_seqs;
+  const bool full_blocks = tokens >= 128 * num_seqs;
+  if (full_blocks && wgmma_device && head_dim == 128) return AttentionPath::kWgmma;
+  if (many_rows && paged_attention_has_tiled(head_dim)) return AttentionPath::kTiled;
+  if (paged_attention_has_decode(head_dim)) return AttentionPath::kDecode;
+  return AttentionPath::kRow;
+}
+
 cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream) {
   const bool pow2_block = (p.block_size & (p.block_size - 1)) == 0;
   if (p.num_seqs <= 0 || p.tokens < 0 || p.q_heads <= 0 || p.kv_heads <= 0 ||
@@ -57,21 +72,10 @@ cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream) 
       p.block_size > kAttentionMaxBlockSize || p.max_blocks_per_seq <= 0 || p.max_context < 0)
     return cudaErrorInvalidValue;
   if (p.tokens == 0) return cudaSuccess;
-  AttentionPath path = p.path;
-  if (path == AttentionPath::kAuto) {
-    // Rows per sequence on average: decode has one, prefill hundreds. Below 16 most 64-row tiles
-    // would be padding. The wgmma kernel takes a call only where sequences average a whole 128-row
-    // block: it computes 128 rows a block however few the sequence has, one block a
-    // multiprocessor, so a decode row beside a prompt chunk (a serving step) would cost it a full
-    // tile over its context where the tiled kernel's 64-row blocks share a multiprocessor three at
-    // a time. It was measured on single prompts; where the two cross in mixed steps was not.
-    const bool many_rows = p.tokens >= 16 * p.num_seqs;
-    const bool full_blocks = p.tokens >= 128 * p.num_seqs;
-    if (full_blocks && paged_attention_has_wgmma(p.head_dim)) path = AttentionPath::kWgmma;
-    else if (many_rows && paged_attention_has_tiled(p.head_dim)) path = AttentionPath::kTiled;
-    else if (paged_attention_has_decode(p.head_dim)) path = AttentionPath::kDecode;
-    else path = AttentionPath::kRow;
-  }
+  const AttentionPath path =
+      p.path == AttentionPath::kAuto
+          ? paged_attention_auto_path(p.tokens, p.num_seqs, p.head_dim, attention_detail::wgmma_attention_device())
+          : p.path;
   switch (path) {
     case AttentionPath::kTiled: return attention_detail::run_tiled(p, stream);
     case AttentionPath::kWgmma:

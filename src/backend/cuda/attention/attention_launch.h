@@ -76,6 +76,10 @@ bool paged_attention_has_decode(int head_dim);
 // A call for kWgmma where it does not is cudaErrorInvalidValue.
 bool paged_attention_has_wgmma(int head_dim);
 
+// The kernel kAuto picks for a call of these host sizes, on a device that runs the wgmma kernel
+// (compute capability 9.0) or not.
+AttentionPath paged_attention_auto_path(int tokens, int num_seqs, int head_dim, bool wgmma_device);
+
 cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream);
 
 }  // namespace moe::cuda::kernels

@@ -28,10 +28,11 @@
 // - 128 rows a block read each K/V tile once for 2 x 64 rows: 64 FLOP a byte of L2 traffic.
 // Shared memory: Q and three stages of K and V, each tile [2 halves of 64 dims][128 rows][64] bf16
 // in the 128-byte swizzle, 225 KB: one block a multiprocessor, 256 threads of up to 255 registers.
-// Only CUDA headers here.
+// Only CUDA headers (and <atomic>) here.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "backend/cuda/attention/attention_device.cuh"
@@ -241,12 +242,20 @@ __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_attention_kernel(const
 }  // namespace
 
 bool wgmma_attention_device() {
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+  // Asked on every call that kAuto decides: the answer is kept per device (0 unknown, 1 no, 2 yes).
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (device >= 0 && device < kDevices && known[device].load(std::memory_order_relaxed) != 0)
+    return known[device].load(std::memory_order_relaxed) == 2;
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
     return false;
-  return major == 9 && minor == 0;
+  const bool yes = major == 9 && minor == 0;
+  if (device >= 0 && device < kDevices) known[device].store(yes ? 2 : 1, std::memory_order_relaxed);
+  return yes;
 }
 
 cudaError_t run_wgmma(const PagedAttentionParams& p, cudaStream_t stream) {
