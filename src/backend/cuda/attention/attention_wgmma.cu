@@ -25,7 +25,7 @@
 //   empty barrier when every warp's products on it are done. Every thread copies (a paged cache
 //   has no tensor map a TMA load could use); a tile's block-table entries are read one tile before
 //   its copies, all eight of a thread's at once, so that no copy waits on a table read.
-// - 128 rows a block read each K/V tile once for 2 x 64 rows: 64 FLOP a byte of L2 traffic.
+// - 128 rows a block read each K/V tile once for 2 x 64 rows: 128 FLOP a byte of L2 traffic.
 // Shared memory: Q and three stages of K and V, each tile [2 halves of 64 dims][128 rows][64] bf16
 // in the 128-byte swizzle, 225 KB: one block a multiprocessor, 256 threads of up to 255 registers.
 // Only CUDA headers (and <atomic>) here.
