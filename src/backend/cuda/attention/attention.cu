@@ -46,7 +46,7 @@ bool paged_attention_has_decode(int head_dim) {
 }
 
 bool paged_attention_has_wgmma(int head_dim) {
-  return head_dim == 128 && attention_detail::wgmma_attention_device();
+  return head_dim == attention_detail::kWgmmaHeadDim && attention_detail::wgmma_attention_device();
 }
 
 AttentionPath paged_attention_auto_path(int tokens, int num_seqs, int head_dim, bool wgmma_device) {
@@ -58,7 +58,7 @@ AttentionPath paged_attention_auto_path(int tokens, int num_seqs, int head_dim, 
   // a time. It was measured on single prompts; where the two cross in mixed steps was not.
   const bool many_rows = tokens >= 16 * num_seqs;
   const bool full_blocks = tokens >= 128 * num_seqs;
-  if (full_blocks && wgmma_device && head_dim == 128) return AttentionPath::kWgmma;
+  if (full_blocks && wgmma_device && head_dim == attention_detail::kWgmmaHeadDim) return AttentionPath::kWgmma;
   if (many_rows && paged_attention_has_tiled(head_dim)) return AttentionPath::kTiled;
   if (paged_attention_has_decode(head_dim)) return AttentionPath::kDecode;
   return AttentionPath::kRow;
@@ -73,9 +73,9 @@ cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream) 
     return cudaErrorInvalidValue;
   if (p.tokens == 0) return cudaSuccess;
   const AttentionPath path =
-      p.path == AttentionPath::kAuto
-          ? paged_attention_auto_path(p.tokens, p.num_seqs, p.head_dim, attention_detail::wgmma_attention_device())
-          : p.path;
+      p.path != AttentionPath::kAuto
+          ? p.path
+          : paged_attention_auto_path(p.tokens, p.num_seqs, p.head_dim, attention_detail::wgmma_attention_device());
   switch (path) {
     case AttentionPath::kTiled: return attention_detail::run_tiled(p, stream);
     case AttentionPath::kWgmma:

@@ -1,7 +1,7 @@
 // The interface between attention.cu, the entry of paged attention (attention_launch.h), and its
 // four kernels, one file each: attention_row.cu, attention_tiled.cu, attention_decode.cu and
-// attention_wgmma.cu (see AttentionPath). The entry checks a call, picks its path and sizes the workspace from the row and
-// decode kernels' split plans; each path sizes its own grid. Host code.
+// attention_wgmma.cu (see AttentionPath). The entry checks a call, picks its path and sizes the
+// workspace from the row and decode kernels' split plans; each path sizes its own grid. Host code.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,7 +31,9 @@ cudaError_t run_tiled(const PagedAttentionParams& p, cudaStream_t stream);
 cudaError_t run_decode(const PagedAttentionParams& p, cudaStream_t stream);
 cudaError_t run_wgmma(const PagedAttentionParams& p, cudaStream_t stream);
 
-// Whether the current device runs the wgmma kernel (attention_wgmma.cu): compute capability 9.0.
+// The one head dim the wgmma kernel runs, and whether the current device runs it (attention_wgmma.cu:
+// compute capability 9.0).
+constexpr int kWgmmaHeadDim = 128;
 bool wgmma_attention_device();
 
 }  // namespace moe::cuda::kernels::attention_detail

@@ -45,7 +45,7 @@ namespace moe::cuda::kernels::attention_detail {
 
 namespace {
 
-constexpr int kD = 128;                     // the head dim this kernel runs
+constexpr int kD = kWgmmaHeadDim;           // the head dim this kernel runs
 constexpr int kBlockRows = 128;             // query rows of a block
 constexpr int kBlockThreads = 256;          // two warpgroups of 64 rows
 constexpr int kHalfBytes = 128 * 128;       // 64 dims (128 bytes) of 128 rows

@@ -27,8 +27,9 @@
 //   rescale_rows(o, t);  // then O += P V
 // The state (m_a, m_b, l_a, l_b) is four floats of the kernel, and these functions take and return
 // values: with the state in a struct, or passed by reference, nvcc generated different code for
-// the kernels (the decode kernel's register count changed). For the same reason each kernel sums
-// its l over the quad itself (five lines).
+// the kernels (the decode kernel's register count changed). For the same reason the decode and
+// latent kernels sum their l over the quad themselves (five lines); the two prefill kernels do it
+// in store_row_pair (attention_device.cuh).
 // Device code, and where the host puts the partials of split rows; CUDA headers only.
 #pragma once
 
