@@ -40,8 +40,9 @@ struct EngineOptions {
   bool record_routing = false;
   // Fold short kernels of a step into their neighbours (the post-attention norm, router
   // projection and top-k into one launch for steps of 1 or 2 rows; the next layer's input norm
-  // into the routed experts' combine). Same results up to f32 summation order; off runs every
-  // operation as its own kernel, for comparisons.
+  // into the routed experts' combine; an FP8 projection's input quantisation into the kernel that
+  // produces it: the prefill attention for o, the folded norm for q/k/v). Same results up to f32
+  // summation order; off runs every operation as its own kernel, for comparisons.
   bool fuse = true;
   // Keep full KV blocks findable by their token prefix so that reuse_prefix() can share them.
   bool prefix_reuse = true;

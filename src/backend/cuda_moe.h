@@ -71,11 +71,17 @@ class Experts {
   // y, residual[t] += f32(bf16 y[t]) and normed[t] = bf16(rmsnorm(residual[t]) * weight)
   // (residual f32 [M, H] in place, weight f32 [H], normed bf16 [M, H]; all 16-byte aligned;
   // H at most 8192). Saves a launch per layer in decode.
+  // With code_rows > 0 the rows below it are written as the input of the next layer's FP8
+  // projection instead of into normed (E4M3 codes [code_rows, H] and scales block-major
+  // [H / 128, code_rows]: the quantising kernel's of the bf16 rows; H a multiple of 128).
   struct NextNorm {
     float* residual = nullptr;
     const float* weight = nullptr;
     float eps = 0.0f;
     uint16_t* normed = nullptr;
+    uint8_t* codes = nullptr;
+    float* scales = nullptr;
+    int64_t code_rows = 0;
   };
   void forward_then_norm(const uint16_t* x, const int32_t* ids, const float* weights,
                          int64_t tokens, const NextNorm& next, void* workspace, void* stream,

@@ -25,6 +25,7 @@
 
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/attention/attention_launch.h"
+#include "backend/cuda/ops/fp8_blocks_launch.h"
 #include "gpu_test_util.h"
 
 namespace moe {
@@ -260,6 +261,69 @@ TEST(CudaAttention, WgmmaPathRefusesWhatItDoesNotRun) {
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
+// The wgmma kernel writing an FP8 projection's input (out_codes): the rows below code_rows as the
+// codes and block-major scales that quantize_rows_fp8_by_block gives for the kernel's own bf16
+// output, bit for bit, and nothing of them in `out`; the rows from code_rows on in `out` as that
+// bf16 output. Three ragged sequences, one behind a cached prefix, of which all rows but the last
+// two are codes. Asked on another path, for more rows than the call has, or without scales, the
+// call is refused.
+TEST(CudaAttention, WgmmaWritesTheFp8ProjectionInput) {
+  REQUIRE_GPU();
+  if (!cuda::kernels::paged_attention_has_wgmma(128)) GTEST_SKIP() << "this device does not run the wgmma kernel";
+  const Shape sh{32, 4, 128, 16};
+  PagedCase c(sh, {{300, 129, 517}, {300, 1000, 517}}, 1000, 170);
+  c.prepare(AttentionPath::kWgmma);
+  const std::vector<uint16_t> bf16_out = gputest::to_bf16(c.launch());  // the values are bf16: exact
+  PagedAttentionParams p = c.params();
+  const int cols = sh.q_heads * sh.head_dim, code_rows = p.tokens - 2;
+  const size_t code_elems = static_cast<size_t>(code_rows) * cols;
+  DeviceBuffer<uint16_t> ref_in(bf16_out);
+  DeviceBuffer<uint8_t> ref_codes(code_elems);
+  DeviceBuffer<float> ref_scales(static_cast<size_t>(sh.q_heads) * code_rows);
+  ASSERT_EQ(cuda::kernels::quantize_rows_fp8_by_block(ref_in.get(), code_rows, cols, ref_codes.get(),
+                                                      ref_scales.get(), nullptr),
+            cudaSuccess);
+  DeviceBuffer<uint16_t> out(bf16_out.size());
+  DeviceBuffer<uint8_t> codes(bf16_out.size());
+  DeviceBuffer<float> scales(static_cast<size_t>(sh.q_heads) * code_rows);
+  out.poison();
+  codes.poison();
+  scales.poison();
+  p.out = out.get();
+  p.out_codes = codes.get();
+  p.out_scales = scales.get();
+  p.code_rows = code_rows;
+  ASSERT_EQ(cuda::kernels::paged_attention(p, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got_codes = codes.download(), want_codes = ref_codes.download();
+  const auto got_scales = scales.download(), want_scales = ref_scales.download();
+  const auto got_out = out.download();
+  int wrong = 0;
+  for (size_t i = 0; i < code_elems; ++i)
+    if (got_codes[i] != want_codes[i] && wrong++ < 5)
+      ADD_FAILURE() << "code [" << i / cols << "][" << i % cols << "] = " << int{got_codes[i]} << ", want "
+                    << int{want_codes[i]};
+  for (size_t i = 0; i < want_scales.size(); ++i)
+    if (got_scales[i] != want_scales[i] && wrong++ < 5)
+      ADD_FAILURE() << "scale of head " << i / code_rows << " row " << i % code_rows << " = " << got_scales[i]
+                    << ", want " << want_scales[i];
+  for (size_t i = 0; i < got_out.size(); ++i) {
+    const uint16_t want = i < code_elems ? uint16_t{0xffff} : bf16_out[i];  // poison, or the bf16 output
+    if (got_out[i] != want && wrong++ < 5)
+      ADD_FAILURE() << "out [" << i / cols << "][" << i % cols << "] = " << got_out[i] << ", want " << want;
+  }
+  EXPECT_EQ(wrong, 0);
+  PagedAttentionParams q = p;
+  q.path = AttentionPath::kTiled;
+  EXPECT_EQ(cuda::kernels::paged_attention(q, nullptr), cudaErrorInvalidValue);
+  q = p;
+  q.code_rows = p.tokens + 1;
+  EXPECT_EQ(cuda::kernels::paged_attention(q, nullptr), cudaErrorInvalidValue);
+  q = p;
+  q.out_scales = nullptr;
+  EXPECT_EQ(cuda::kernels::paged_attention(q, nullptr), cudaErrorInvalidValue);
+}
+
 // The same launch (host fields fixed, as in a captured graph) with longer device context_lens.
 TEST(CudaAttention, ReplayWithLongerContexts) {
   REQUIRE_GPU();
@@ -409,6 +473,16 @@ TEST(CudaAttention, Timing) {
       for (int i = 0; i < t.b.rows[s]; ++i)
         flops += 4.0 * sh.q_heads * sh.head_dim * (t.b.ctx[s] - t.b.rows[s] + i + 1);
     std::printf("[timing] %-20s %9.1f us  %.1f TFLOP/s\n", t.name, us, flops / us / 1e6);
+    if (t.path != AttentionPath::kWgmma) continue;
+    // The same with the output written as an FP8 projection's input (all rows codes).
+    PagedAttentionParams q = c.params();
+    DeviceBuffer<uint8_t> codes(static_cast<size_t>(q.tokens) * sh.q_heads * sh.head_dim);
+    DeviceBuffer<float> scales(static_cast<size_t>(q.tokens) * sh.q_heads);
+    q.out_codes = codes.get();
+    q.out_scales = scales.get();
+    q.code_rows = q.tokens;
+    const double codes_us = graph_us(q, nullptr);
+    std::printf("[timing] %-20s %9.1f us  %.1f TFLOP/s (FP8 codes out)\n", t.name, codes_us, flops / codes_us / 1e6);
   }
 }
 

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <fstream>
 #include <random>
@@ -332,28 +334,66 @@ TEST(CudaEngine, RandomWeightPresetMatchesCpuEngine) {
   EXPECT_LE(err, 0.04);  // the bf16 bound above
 }
 
-// The folded kernels (EngineOptions::fuse: post-attention norm + router + top-k in one launch,
-// the next input norm in the experts' combine) against every operation on its own: the same
-// arithmetic in another f32 summation order, so logits agree far inside the bf16 bound. A
-// 2-token prompt takes both folded paths (the fused router runs for up to 2 rows).
+// The largest difference between the logits of every position of a prefill of `ids` with the
+// folded kernels (EngineOptions::fuse) and with every operation on its own, relative to the
+// largest logit; `o` gives the other options.
+double folded_against_separate(const std::string& dir, const std::vector<int32_t>& ids, cuda::EngineOptions o) {
+  Tensor logits[2];
+  for (int fuse = 0; fuse < 2; ++fuse) {
+    o.fuse = fuse == 1;
+    auto engine = cuda::Engine::load(dir, o);
+    engine->prefill(engine->open(), ids, SamplingParams{}, &logits[fuse], true);
+  }
+  if (logits[0].numel() != logits[1].numel() || logits[0].numel() == 0) {
+    ADD_FAILURE() << "logits of " << logits[1].numel() << " and " << logits[0].numel() << " values";
+    return INFINITY;
+  }
+  std::vector<float> a(logits[1].data<float>(), logits[1].data<float>() + logits[1].numel());
+  std::vector<float> b(logits[0].data<float>(), logits[0].data<float>() + logits[0].numel());
+  return gputest::max_rel_error(a, b);
+}
+
+// The folded kernels (post-attention norm + router + top-k in one launch, the next input norm in
+// the experts' combine) against every operation on its own: the same arithmetic in another f32
+// summation order, so logits agree far inside the bf16 bound. A 2-token prompt takes both folded
+// paths (the fused router runs for up to 2 rows).
 TEST(CudaEngine, FoldedKernelsMatchSeparateOnes) {
   REQUIRE_GPU();
   for (const char* name : {"qwen3_moe_f32", "mixtral_f32", "deepseek_v3_f32"}) {
-    const std::string dir = fixture_dir(name);
-    const std::vector<int32_t> ids{5, 9};
-    Tensor logits[2];
-    for (int fuse = 0; fuse < 2; ++fuse) {
-      cuda::EngineOptions o;
-      o.max_context = 64;
-      o.fuse = fuse == 1;
-      auto engine = cuda::Engine::load(dir, o);
-      engine->prefill(engine->open(), ids, SamplingParams{}, &logits[fuse], true);
-    }
-    ASSERT_EQ(logits[0].numel(), logits[1].numel());
-    std::vector<float> a(logits[1].data<float>(), logits[1].data<float>() + logits[1].numel());
-    std::vector<float> b(logits[0].data<float>(), logits[0].data<float>() + logits[0].numel());
-    EXPECT_LE(gputest::max_rel_error(a, b), 5e-3) << name;
+    cuda::EngineOptions o;
+    o.max_context = 64;
+    EXPECT_LE(folded_against_separate(fixture_dir(name), {5, 9}, o), 5e-3) << name;
   }
+}
+
+// The same with an FP8 model of real widths (qwen3-30b-a3b-fp8's config cut to 2 layers, 16
+// experts and a 2,048-token vocabulary; random weights) and a 300-token prompt, where the folded
+// kernels also write the W8A8 projections' inputs quantised (the wgmma attention kernel for o, the
+// experts' folded norm for q/k/v) and the separate ones quantise bf16 rows in a kernel of their
+// own. Those codes are the same bits for the same rows (CudaAttention.WgmmaWritesTheFp8ProjectionInput,
+// CudaFp8ActQuant.FoldedNormWritesTheNextProjectionsInput), so only the folded norm's summation
+// order could separate the logits (they came out equal on an H100); a code or scale read from the
+// wrong place would move them by their own scale.
+TEST(CudaEngine, FoldedFp8InputsMatchSeparateQuantising) {
+  REQUIRE_GPU();
+  nlohmann::json config;
+  std::ifstream(std::string(MOE_SOURCE_DIR) + "/presets/qwen3-30b-a3b-fp8/config.json") >> config;
+  config["num_hidden_layers"] = 2;
+  config["num_experts"] = 16;
+  config["vocab_size"] = 2048;
+  const std::string dir = ::testing::TempDir() + "/qwen3_fp8_two_layers";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/config.json") << config.dump(2);
+  std::mt19937 rng(7);
+  std::vector<int32_t> ids(300);
+  for (auto& id : ids) id = std::uniform_int_distribution<int32_t>(0, 2047)(rng);
+  cuda::EngineOptions o;
+  o.random_weights = true;
+  o.seed = 11;
+  o.max_context = 512;
+  const double err = folded_against_separate(dir, ids, o);
+  std::printf("[ qwen3 fp8, 2 layers, 300 tokens ] folded against separate: %.3g\n", err);
+  EXPECT_LE(err, 5e-3);
 }
 
 TEST(CudaEngine, BadInputIsRejectedAndTheEngineKeepsWorking) {

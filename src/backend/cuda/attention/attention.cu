@@ -76,6 +76,10 @@ cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream) 
       p.path != AttentionPath::kAuto
           ? p.path
           : paged_attention_auto_path(p.tokens, p.num_seqs, p.head_dim, attention_detail::wgmma_attention_device());
+  const bool codes = p.out_codes || p.out_scales || p.code_rows != 0;
+  if (codes && (path != AttentionPath::kWgmma || !p.out_codes || !p.out_scales || p.code_rows < 0 ||
+                p.code_rows > p.tokens))
+    return cudaErrorInvalidValue;
   switch (path) {
     case AttentionPath::kTiled: return attention_detail::run_tiled(p, stream);
     case AttentionPath::kWgmma:

@@ -52,6 +52,14 @@ struct PagedAttentionParams {
   // Decode kernel only: keys per context split, 0 = the built-in choice. A tuning knob for the
   // benchmarks; a non-zero value must also be passed to paged_attention_workspace_bytes.
   int split_keys = 0;
+  // The wgmma kernel only (a call that takes another path is cudaErrorInvalidValue): rows below
+  // code_rows written as the input of an FP8 projection instead of into `out`, E4M3 codes
+  // [tokens, q_heads, 128] and scales block-major [q_heads, code_rows], a head's dims one scale
+  // block; codes and scales are quantize_rows_fp8_by_block's of the bf16 output. Rows from
+  // code_rows on go to `out` as bf16.
+  uint8_t* out_codes = nullptr;
+  float* out_scales = nullptr;
+  int code_rows = 0;
 };
 
 // Limits checked by paged_attention (cudaErrorInvalidValue otherwise).

@@ -26,6 +26,9 @@
 //   has no tensor map a TMA load could use); a tile's block-table entries are read one tile before
 //   its copies, all eight of a thread's at once, so that no copy waits on a table read.
 // - 128 rows a block read each K/V tile once for 2 x 64 rows: 128 FLOP a byte of L2 traffic.
+// - For an FP8 o projection the epilogue writes its input quantised (out_codes): a head's 128 dims,
+//   which a quad of threads holds, are one scale block, so no pass over the bf16 output follows
+//   (docs/perf/fp8-quantised-inputs.md).
 // Shared memory: Q and three stages of K and V, each tile [2 halves of 64 dims][128 rows][64] bf16
 // in the 128-byte swizzle, 225 KB: one block a multiprocessor, 256 threads of up to 255 registers.
 // Only CUDA headers (and <atomic>) here.
@@ -39,6 +42,7 @@
 #include "backend/cuda/attention/attention_paths.h"
 #include "backend/cuda/attention/online_softmax.cuh"
 #include "backend/cuda/mma_sync.cuh"
+#include "backend/cuda/ops/fp8_act_quant.cuh"
 #include "backend/cuda/sm90_async.cuh"
 
 namespace moe::cuda::kernels::attention_detail {
@@ -52,6 +56,52 @@ constexpr int kHalfBytes = 128 * 128;       // 64 dims (128 bytes) of 128 rows
 constexpr int kTileBytes = 2 * kHalfBytes;  // Q, K or V of a tile: 32 KB
 constexpr int kStages = 3;                  // tile t computed while t + 1 and t + 2 are copied
 constexpr int kSmemBytes = kTileBytes * (1 + 2 * kStages) + 1024;  // + the 1024-byte alignment
+
+// store_row_pair's form for an FP8 projection's input (PagedAttentionParams::out_codes): a row
+// below p.code_rows as E4M3 codes of its head's 128 dims (one scale block: a quad holds them) and
+// the block's scale, the rest as bf16. The values are rounded to bf16 first, so that codes and
+// scales are the quantising kernel's of the bf16 output (fp8_act_quant.cuh). Every lane takes the
+// shuffles, whichever rows it writes.
+__device__ __forceinline__ void store_row_pair_codes(const PagedAttentionParams& p, const float (&o)[kD / 8][4],
+                                                     float l_a, float l_b, int row0, int ra, int rows, int head) {
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
+  }
+  const int tq = threadIdx.x % 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {  // row a (accumulators 0, 1), then row b (2, 3)
+    const float l = half == 0 ? l_a : l_b;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int r = ra + 8 * half, row = row0 + r;
+    float v[kD / 8][2];
+    float amax = 0.f;
+#pragma unroll
+    for (int nd = 0; nd < kD / 8; ++nd)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        v[nd][i] = __bfloat162float(__float2bfloat16_rn(o[nd][2 * half + i] * inv));
+        amax = fmaxf(amax, fabsf(v[nd][i]));
+      }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    if (r >= rows) continue;
+    const size_t at = ((size_t)row * p.q_heads + head) * kD + 2 * tq;
+    if (row < p.code_rows) {
+      const float scale = fp8_act_scale(amax), inverse = fp8_act_inverse(scale);
+#pragma unroll
+      for (int nd = 0; nd < kD / 8; ++nd)
+        *reinterpret_cast<uint16_t*>(p.out_codes + at + nd * 8) =
+            static_cast<uint16_t>(fp8_act_codes2(v[nd][0], v[nd][1], inverse));
+      if (tq == 0) p.out_scales[(size_t)head * p.code_rows + row] = scale;
+    } else {
+#pragma unroll
+      for (int nd = 0; nd < kD / 8; ++nd)
+        *reinterpret_cast<uint32_t*>(p.out + at + nd * 8) = pack_bf16(v[nd][0], v[nd][1]);
+    }
+  }
+}
 
 __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_attention_kernel(const PagedAttentionParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -235,7 +285,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_attention_kernel(const
   }
   sm90::cp_async_wait_all();
 
-  store_row_pair<kD>(p, o, l_a, l_b, row0, row_a, rows, head);
+  if (p.out_codes)
+    store_row_pair_codes(p, o, l_a, l_b, row0, row_a, rows, head);
+  else
+    store_row_pair<kD>(p, o, l_a, l_b, row0, row_a, rows, head);
 #endif
 }
 

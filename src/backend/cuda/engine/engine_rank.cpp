@@ -419,6 +419,7 @@ void Rank::run_layers(int64_t tokens, int64_t seqs, int64_t max_context) {
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
     if (!normed) {
+      qkv_in = {};
       MOE_CUDA_CHECK(kernels::add_rms_norm(ws.x, has_branch ? ws.branch : nullptr,
                                            has_branch2 ? ws.branch2 : nullptr, L.input_norm, t,
                                            hidden, c.rms_norm_eps, ws.h, stream));
@@ -517,7 +518,8 @@ void Rank::attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max_contex
   const int64_t hd = c.head_dim, qw = model->q_heads * hd, kw = model->kv_heads * hd;
   const int64_t qkvw = qw + 2 * kw;
   if (L.qkv_fused) {
-    project(*blas, ws.h, L.q, ws.qkv, OutType::kF32, tokens, stream);
+    project(*blas, qkv_in, ws.h, L.q, ws.qkv, OutType::kF32, tokens, stream);
+    qkv_in = {};
   } else {
     project(*blas, ws.h, L.q, ws.qkv, OutType::kF32, tokens, stream, qkvw);
     project(*blas, ws.h, L.k, ws.qkv + qw, OutType::kF32, tokens, stream, qkvw);
@@ -557,9 +559,19 @@ void Rank::attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max_contex
   a.scale = 1.0f / std::sqrt(static_cast<float>(hd));
   a.out = ws.attn;
   a.workspace = ws.attention;
+  // Where the wgmma kernel runs and the o projection is W8A8, the kernel writes the projection's
+  // input quantised (a head's 128 dims are one scale block) instead of bf16 for a quantising pass.
+  Fp8Input o_in;
+  const bool wgmma = kernels::paged_attention_has_wgmma(a.head_dim);
+  if (opts.fuse &&
+      kernels::paged_attention_auto_path(a.tokens, a.num_seqs, a.head_dim, wgmma) == kernels::AttentionPath::kWgmma)
+    o_in = fp8_input_room(*blas, L.o, ws.branch, OutType::kBf16, tokens);
+  a.out_codes = o_in.codes;
+  a.out_scales = o_in.scales;
+  a.code_rows = static_cast<int>(o_in.rows);
   MOE_CUDA_CHECK(kernels::paged_attention(a, stream));
   mark("attention");
-  project(*blas, ws.attn, L.o, ws.branch, OutType::kBf16, tokens, stream);
+  project(*blas, o_in, ws.attn, L.o, ws.branch, OutType::kBf16, tokens, stream);
   mark("o projection");
   sum_head_shares(L, tokens);
 }
@@ -668,7 +680,14 @@ bool Rank::feed_forward(int64_t l, int64_t tokens, bool* next_normed) {
   } else if (opts.fuse && !L.shared_gate_up && l + 1 < c.num_layers) {
     // ws.h is both the experts' input and the folded norm's output: the combine writes it only
     // after the expert GEMMs, which read it, have completed (stream order).
-    Experts::NextNorm next{ws.x, model->layers[static_cast<size_t>(l + 1)].input_norm, c.rms_norm_eps, ws.h};
+    const DeviceLayer& N = model->layers[static_cast<size_t>(l + 1)];
+    Experts::NextNorm next{ws.x, N.input_norm, c.rms_norm_eps, ws.h};
+    // The next q/k/v projection, where it is one W8A8 product, takes its input quantised here.
+    qkv_in = c.attention != AttentionKind::kMla && N.qkv_fused ? fp8_input_room(*blas, N.q, ws.qkv, OutType::kF32, tokens)
+                                                               : Fp8Input{};
+    next.codes = qkv_in.codes;
+    next.scales = qkv_in.scales;
+    next.code_rows = qkv_in.rows;
     L.experts->forward_then_norm(ws.h, ws.topk_ids, ws.topk_weights, tokens, next, ws.experts, stream);
     *next_normed = true;
     mark("routed experts + residual add + RMSNorm");

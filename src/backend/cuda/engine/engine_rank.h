@@ -20,6 +20,7 @@
 #include "backend/cuda/device_arena.h"
 #include "backend/cuda/engine/device_model.h"
 #include "backend/cuda/engine/engine_buffers.h"
+#include "backend/cuda/engine/projection.h"
 #include "backend/cuda/comm/peer_allreduce.h"
 #include "backend/cuda_engine.h"
 #include "backend/cuda_ep.h"
@@ -200,6 +201,8 @@ struct Rank {
   void mark(const char* name);
 
   bool post_normed = false;  // this layer's post-attention norm was folded into the all-reduce
+  // The next layer's q/k/v input as the routed experts' folded norm wrote it (rows 0: all in ws.h).
+  Fp8Input qkv_in;
   // Profiling: events recorded between operations while `profiling` (never inside a capture).
   bool profiling = false;
   std::vector<cudaEvent_t> marks;

@@ -43,24 +43,13 @@ void project(Blas& blas, const void* x, const DeviceMatrix& w, void* y, OutType 
                                           static_cast<int>(ldy ? ldy : w.rows), stream));
     return;
   }
-  // More: W8A8, x quantised per row and 128 columns, on cuBLASLt's block-scaled GEMM, which takes
-  // row counts that are multiples of 4 (blas.h); the last one to three rows go through the GEMV
-  // (the weights are then in L2). This is the numerics of the engines these checkpoints are
-  // deployed on (activations rounded to E4M3 per 128 values), not the CPU reference's.
-  const int64_t head = m / kFp8BlockRowMultiple * kFp8BlockRowMultiple;
-  if (w.cols % (128 * kFp8BlockColumnMultiple) == 0 && w.format.block_rows == 128 && w.format.block_cols == 128 && blas.has_fp8_rows(head, w.cols)) {
-    const Blas::Fp8Rows room = blas.fp8_rows(head, w.cols);
-    MOE_CUDA_CHECK(kernels::quantize_rows_fp8_by_block(x, static_cast<int>(head), static_cast<int>(w.cols), room.codes,
-                                                       room.scales, stream));
-    if (blas.linear_fp8_blocks(room.codes, room.scales, w.data, w.scales, y, out, head, w.rows, w.cols, stream, ldy)) {
-      if (head < m) {
-        const size_t y_size = out == OutType::kF32 ? 4 : 2;
-        gemv_fp8(static_cast<const uint16_t*>(x) + head * w.cols, w,
-                 static_cast<char*>(y) + static_cast<size_t>(head * (ldy ? ldy : w.rows)) * y_size, out, m - head,
-                 stream, ldy);
-      }
-      return;
-    }
+  // More: W8A8, x quantised per row and 128 columns, on cuBLASLt's block-scaled GEMM (fp8_input_room).
+  const Fp8Input in = fp8_input_room(blas, w, y, out, m, ldy);
+  if (in.rows > 0) {
+    MOE_CUDA_CHECK(kernels::quantize_rows_fp8_by_block(x, static_cast<int>(in.rows), static_cast<int>(w.cols),
+                                                       in.codes, in.scales, stream));
+    project(blas, in, x, w, y, out, m, stream, ldy);
+    return;
   }
   // Otherwise the matrix widened to bf16 for cuBLASLt.
   uint16_t* wide = blas.widened(static_cast<size_t>(w.rows * w.cols));
@@ -68,6 +57,39 @@ void project(Blas& blas, const void* x, const DeviceMatrix& w, void* y, OutType 
                                                 static_cast<int>(w.format.block_rows),
                                                 static_cast<int>(w.format.block_cols), wide, stream));
   blas.linear(x, wide, y, out, m, w.rows, w.cols, stream, ldy);
+}
+
+Fp8Input fp8_input_room(Blas& blas, const DeviceMatrix& w, const void* y, OutType out, int64_t m, int64_t ldy) {
+  // W8A8 where the codes are not read directly, on cuBLASLt's block-scaled GEMM, which takes row
+  // counts that are multiples of 4 (blas.h); the last one to three rows go through the GEMV (the
+  // weights are then in L2). This is the numerics of the engines these checkpoints are deployed
+  // on (activations rounded to E4M3 per 128 values), not the CPU reference's.
+  if (w.count != 1 || !(w.format == kFp8Blocks) || fp8_direct(m, w.cols) || w.format.block_rows != 128 ||
+      w.format.block_cols != 128 || w.cols % (128 * kFp8BlockColumnMultiple) != 0)
+    return {};
+  const int64_t head = m / kFp8BlockRowMultiple * kFp8BlockRowMultiple;
+  if (!blas.has_fp8_rows(head, w.cols)) return {};
+  const Blas::Fp8Rows room = blas.fp8_rows(head, w.cols);
+  if (!blas.runs_fp8_blocks(room.codes, room.scales, w.data, w.scales, y, out, head, w.rows, w.cols, ldy)) return {};
+  return {room.codes, room.scales, head};
+}
+
+void project(Blas& blas, const Fp8Input& in, const void* x, const DeviceMatrix& w, void* y, OutType out, int64_t m,
+             cudaStream_t stream, int64_t ldy) {
+  if (in.rows == 0) {
+    project(blas, x, w, y, out, m, stream, ldy);
+    return;
+  }
+  MOE_CHECK(in.rows <= m && blas.linear_fp8_blocks(in.codes, in.scales, w.data, w.scales, y, out, in.rows, w.rows,
+                                                   w.cols, stream, ldy),
+            kInternal, "dense projection: {} quantised rows of {} that the block-scaled GEMM does not take", in.rows,
+            m);
+  if (in.rows < m) {
+    const size_t y_size = out == OutType::kF32 ? 4 : 2;
+    gemv_fp8(static_cast<const uint16_t*>(x) + in.rows * w.cols, w,
+             static_cast<char*>(y) + static_cast<size_t>(in.rows * (ldy ? ldy : w.rows)) * y_size, out, m - in.rows,
+             stream, ldy);
+  }
 }
 
 void project_each(Blas& blas, const void* x, int64_t ldx, int64_t x_stride, const DeviceMatrix& w, void* y,

@@ -22,6 +22,23 @@ namespace moe::cuda {
 void project(Blas& blas, const void* x, const DeviceMatrix& w, void* y, OutType out, int64_t m, cudaStream_t stream,
              int64_t ldy = 0);
 
+// An FP8 projection's input as its producer may write it, for project() with `in`: where project()
+// would run x through the W8A8 GEMM, its first `rows` rows (a multiple of 4) as E4M3 codes
+// [rows, w.cols] and block-major scales [w.cols / 128, rows] (quantize_rows_fp8_by_block's
+// layout) in Blas's reserved room, the rows after them as bf16 x. rows = 0 where project() would
+// not: the input is bf16 x alone.
+struct Fp8Input {
+  uint8_t* codes = nullptr;
+  float* scales = nullptr;
+  int64_t rows = 0;
+};
+Fp8Input fp8_input_room(Blas& blas, const DeviceMatrix& w, const void* y, OutType out, int64_t m, int64_t ldy = 0);
+
+// project() for an input whose first in.rows rows are in `in` (fp8_input_room's for the same
+// arguments, written), the rest in x; with in.rows = 0 project() itself.
+void project(Blas& blas, const Fp8Input& in, const void* x, const DeviceMatrix& w, void* y, OutType out, int64_t m,
+             cudaStream_t stream, int64_t ldy = 0);
+
 // Whether project() over FP8 blocks of `cols` columns needs Blas's reserved room (rows quantised
 // for the W8A8 GEMM, or the matrix widened) for steps of up to `rows` rows.
 bool fp8_projection_needs_room(int64_t rows, int64_t cols);

@@ -214,6 +214,10 @@ void Experts::forward_then_norm(const uint16_t* x, const int32_t* ids, const flo
             "the folded norm needs its residual, weight and output");
   MOE_CHECK(shape_.hidden <= 8192, kUnsupported, "the folded norm takes hidden up to 8192, got {}",
             shape_.hidden);
+  MOE_CHECK(next.code_rows == 0 || (next.codes && next.scales && next.code_rows > 0 && next.code_rows <= tokens &&
+                                    shape_.hidden % 128 == 0),
+            kInvalidArgument, "the folded norm's {} FP8 rows of {} need codes, scales and a hidden of 128-column blocks",
+            next.code_rows, tokens);
   run(x, ids, weights, tokens, nullptr, &next, nullptr, workspace, stream, path);
 }
 
@@ -286,7 +290,9 @@ void Experts::run(const uint16_t* x, const int32_t* ids, const float* weights, i
   b.hidden = static_cast<int>(shape_.hidden);
   b.inter = static_cast<int>(shape_.inter);
   b.top_k = static_cast<int>(shape_.top_k);
-  if (next) b.norm = kernels::ResidualNorm{next->residual, next->weight, next->eps, next->normed};
+  if (next)
+    b.norm = kernels::ResidualNorm{next->residual, next->weight, next->eps, next->normed,
+                                   next->codes,    next->scales, static_cast<int>(next->code_rows)};
   const int m = static_cast<int>(tokens);
   kernels::PartialSums sums;
   if (partials) b.leave_partials = &sums;

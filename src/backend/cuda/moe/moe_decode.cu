@@ -1,7 +1,6 @@
-// Small-M (decode) routed-expert path, and the combine kernels that the grouped GEMM paths
-// (moe_prefill.cu, moe_wgmma.cu) share (the plan is in moe_plan.cu). Per touched expert each bf16
-// weight row is read once, with 16-byte streaming loads, and applied to all of that expert's
-// tokens.
+// Small-M (decode) routed-expert path (the plan is in moe_plan.cu, the combine that the paths
+// share in moe_combine.cu). Per touched expert each bf16 weight row is read once, with 16-byte
+// streaming loads, and applied to all of that expert's tokens.
 //
 // Two forms, switched at heuristics::gemv_direct_max_slots routed slots (24 for FP8 experts, 16
 // for bf16; docs/perf/decode-direct-gemv.md):
@@ -368,84 +367,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kDownCombineMinBlocks) down_c
   }
 }
 
-// y[t, h] = sum over the k slots of token t (sum_slots). Eight outputs per thread (hidden is a
-// multiple of 8), 16-byte stores. The register cap is what lets the loads of a batch be in flight
-// together: left to itself, ptxas fits the kernel in 32 registers by waiting for each load before
-// issuing the next.
-template <typename Part, bool kSplit>
-__global__ void __maxnreg__(128) combine_kernel(const Part* __restrict__ part,
-                                                const int* __restrict__ ids, int tokens, int top_k,
-                                                int hidden, int splits, long long split_stride,
-                                                __nv_bfloat16* __restrict__ y) {
-  wait_for_predecessor();
-  const int groups = hidden / 8;
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= tokens * groups) return;
-  const int t = i / groups, h = (i % groups) * 8;
-  float s[8];
-  sum_slots<Part, kSplit>(part, ids, t, top_k, hidden, h, splits, split_stride, s);
-  uint4 out;
-  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-  for (int c = 0; c < 4; ++c) o[c] = __floats2bfloat162_rn(s[2 * c], s[2 * c + 1]);
-  *reinterpret_cast<uint4*>(y + (size_t)t * hidden + h) = out;
-}
-
-// One block per token: the combine of combine_kernel, then the residual add and RMSNorm of
-// ResidualNorm (the same arithmetic as add_rms_norm_kernel). hidden <= 256 * kNormMaxChunks * 8.
-constexpr int kNormThreads = 256;
-constexpr int kNormMaxChunks = 4;
-
-template <typename Part, bool kSplit>
-__global__ void __launch_bounds__(kNormThreads) combine_norm_kernel(const Part* __restrict__ part,
-                                                                    const int* __restrict__ ids,
-                                                                    int top_k, int hidden,
-                                                                    int splits,
-                                                                    long long split_stride,
-                                                                    ResidualNorm rn) {
-  prefetch_weights_l2(rn.weight, static_cast<size_t>(hidden) * 4);  // before the wait: pdl.h
-  wait_for_predecessor();
-  __shared__ float red[kNormThreads / 32];
-  const int t = blockIdx.x, groups = hidden / 8;
-  float* x = rn.x + (size_t)t * hidden;
-  float v[kNormMaxChunks][8];
-  float ss = 0.0f;
-#pragma unroll
-  for (int c = 0; c < kNormMaxChunks; ++c) {
-    const int g = threadIdx.x + c * kNormThreads;
-    if (g >= groups) break;
-    float s[8];
-    sum_slots<Part, kSplit>(part, ids, t, top_k, hidden, g * 8, splits, split_stride, s);
-    float4* xs = reinterpret_cast<float4*>(x + g * 8);
-    const float4 lo = xs[0], hi = xs[1];
-    const float xv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      v[c][i] = xv[i] + __bfloat162float(__float2bfloat16_rn(s[i]));  // y as it would be stored
-      ss += v[c][i] * v[c][i];
-    }
-    xs[0] = make_float4(v[c][0], v[c][1], v[c][2], v[c][3]);
-    xs[1] = make_float4(v[c][4], v[c][5], v[c][6], v[c][7]);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kNormThreads / 32; ++w) total += red[w];
-  const float inv = 1.0f / sqrtf(total / static_cast<float>(hidden) + rn.eps);
-  auto* h = static_cast<__nv_bfloat16*>(rn.h) + (size_t)t * hidden;
-#pragma unroll
-  for (int c = 0; c < kNormMaxChunks; ++c) {
-    const int g = threadIdx.x + c * kNormThreads;
-    if (g >= groups) break;
-    const float4 w0 = __ldg(reinterpret_cast<const float4*>(rn.weight + g * 8));
-    const float4 w1 = __ldg(reinterpret_cast<const float4*>(rn.weight + g * 8) + 1);
-    *reinterpret_cast<uint4*>(h + g * 8) = norm_bf16x8(w0, w1, v[c], inv);
-  }
-}
-
 // The register arrays need a compile-time size: one instantiation per count of chunks a
 // lane holds of a row of `chunks`.
 // FP8 rows of the widths the GEMV path takes (at most 2048) are at most 128 chunks: 4 a lane.
@@ -696,45 +617,6 @@ cudaError_t launch_grouped(const ExpertBuffers& b, const void* x, const float* w
 
 }  // namespace
 
-namespace {
-
-cudaError_t combine(const ExpertBuffers& b, const int* ids, int tokens, PartialSums sums, void* y,
-                    cudaStream_t stream) {
-  const bool chained = sums.chained;
-  const bool bf16 = sums.bf16;
-  if (sums.splits < 1 || (sums.splits > 1 && (bf16 || sums.split_stride < (long long)tokens * b.top_k)))
-    return cudaErrorInvalidValue;
-  const bool split = sums.splits > 1;
-  if (b.norm.x) {
-    if (b.hidden > kNormThreads * kNormMaxChunks * 8) return cudaErrorInvalidValue;
-    if (bf16)
-      return launch(combine_norm_kernel<__nv_bfloat16, false>, tokens, kNormThreads, chained, stream,
-                    static_cast<const __nv_bfloat16*>(b.part), ids, b.top_k, b.hidden, 1, 0LL, b.norm);
-    return launch(split ? combine_norm_kernel<float, true> : combine_norm_kernel<float, false>, tokens,
-                  kNormThreads, chained, stream, static_cast<const float*>(b.part), ids, b.top_k,
-                  b.hidden, sums.splits, sums.split_stride, b.norm);
-  }
-  const int total = tokens * (b.hidden / 8);
-  auto* yb = static_cast<__nv_bfloat16*>(y);
-  // Below 128 blocks of 256 threads, blocks of 64 spread the rows over four times the
-  // multiprocessors (qwen3-30b-a3b M = 8: 3.4 -> 3.2 µs, ncu).
-  const int threads = total < 128 * 256 ? 64 : 256;
-  const int blocks = (total + threads - 1) / threads;
-  if (bf16)
-    return launch(combine_kernel<__nv_bfloat16, false>, blocks, threads, chained, stream,
-                  static_cast<const __nv_bfloat16*>(b.part), ids, tokens, b.top_k, b.hidden, 1, 0LL, yb);
-  return launch(split ? combine_kernel<float, true> : combine_kernel<float, false>, blocks, threads, chained,
-                stream, static_cast<const float*>(b.part), ids, tokens, b.top_k, b.hidden, sums.splits,
-                sums.split_stride, yb);
-}
-
-}  // namespace
-
-cudaError_t launch_combine(const ExpertBuffers& b, const int* ids, int tokens, PartialSums sums,
-                           void* y, cudaStream_t stream) {
-  return combine(b, ids, tokens, sums, y, stream);
-}
-
 cudaError_t launch_decode(const ExpertBuffers& b, const void* x, const int* ids,
                           const float* weights, int tokens, void* y, cudaStream_t stream) {
   const bool fp8 = b.gate_up_scales != nullptr;
@@ -760,7 +642,7 @@ cudaError_t launch_decode(const ExpertBuffers& b, const void* x, const int* ids,
     *b.leave_partials = PartialSums{false};
     return cudaSuccess;
   }
-  return combine(b, ids, tokens, PartialSums{false, 1, 0, true}, y, stream);
+  return launch_combine(b, ids, tokens, PartialSums{false, 1, 0, true}, y, stream);
 }
 
 }  // namespace moe::cuda::kernels

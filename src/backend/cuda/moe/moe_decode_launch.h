@@ -1,9 +1,11 @@
 // The launch interface of the routed-expert kernels (moe_plan.cu: plan; moe_decode.cu: GEMV
-// path, combine; moe_prefill.cu: grouped GEMM path): plain pointers and sizes, no library types,
+// path; moe_combine.cu: combine; moe_prefill.cu: grouped GEMM path): plain pointers and sizes, no library types,
 // so the .cu files need nothing but CUDA headers.
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 namespace moe::cuda::kernels {
 
@@ -18,6 +20,12 @@ struct ResidualNorm {
   const float* weight = nullptr;  // f32 [hidden]
   float eps = 0.0f;
   void* h = nullptr;  // bf16 [tokens, hidden]
+  // Rows t < code_rows go to `codes` instead of h, as an FP8 projection's input: E4M3 codes
+  // [code_rows, hidden] (8-byte aligned) and scales block-major [hidden / 128, code_rows] of the
+  // bf16 rows h would get (quantize_rows_fp8_by_block's; hidden a multiple of 128).
+  uint8_t* codes = nullptr;
+  float* scales = nullptr;
+  int code_rows = 0;
 };
 
 // The form of the partial sums in ExpertBuffers::part that the combine adds up.

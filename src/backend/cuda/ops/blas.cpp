@@ -185,15 +185,25 @@ void Blas::linear_batched(const void* x, int64_t ldx, int64_t x_stride, const vo
                                   &p.algo, workspace_, workspace_bytes_, stream));
 }
 
-bool Blas::linear_fp8_blocks(const void* x, const float* x_scales, const void* w, const float* w_scales, void* y,
-                             OutType out, int64_t m, int64_t n, int64_t k, cudaStream_t stream, int64_t ldy) {
+const Blas::Plan* Blas::fp8_blocks_plan(const void* x, const float* x_scales, const void* w, const float* w_scales,
+                                        const void* y, OutType out, int64_t m, int64_t n, int64_t k, int64_t ldy) {
   if (m < 1 || m % kFp8BlockRowMultiple != 0 || n < 1 || k % (128 * kFp8BlockColumnMultiple) != 0 || !x_scales ||
       !w_scales ||
       (reinterpret_cast<uintptr_t>(x_scales) | reinterpret_cast<uintptr_t>(w_scales)) % 16 != 0)
-    return false;
+    return nullptr;
   const Key key{static_cast<int64_t>(out), m, n, k, k, ldy == 0 ? n : ldy, 1, 0, 0, 0,
                 alignment(x), alignment(w), alignment(y), 1};
-  const Plan* p = plan(key);
+  return plan(key);
+}
+
+bool Blas::runs_fp8_blocks(const void* x, const float* x_scales, const void* w, const float* w_scales, const void* y,
+                           OutType out, int64_t m, int64_t n, int64_t k, int64_t ldy) {
+  return fp8_blocks_plan(x, x_scales, w, w_scales, y, out, m, n, k, ldy) != nullptr;
+}
+
+bool Blas::linear_fp8_blocks(const void* x, const float* x_scales, const void* w, const float* w_scales, void* y,
+                             OutType out, int64_t m, int64_t n, int64_t k, cudaStream_t stream, int64_t ldy) {
+  const Plan* p = fp8_blocks_plan(x, x_scales, w, w_scales, y, out, m, n, k, ldy);
   if (!p) return false;
   MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scales,
                                                   sizeof(w_scales)));

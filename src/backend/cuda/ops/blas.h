@@ -53,6 +53,10 @@ class Blas {
   // 16 bytes. Every FP8 checkpoint we know has k / 128 a multiple of 4.
   bool linear_fp8_blocks(const void* x, const float* x_scales, const void* w, const float* w_scales, void* y,
                          OutType out, int64_t m, int64_t n, int64_t k, cudaStream_t stream, int64_t ldy = 0);
+  // Whether linear_fp8_blocks runs for these arguments, asked without launching anything, so
+  // that a producer may write x in its layout first.
+  bool runs_fp8_blocks(const void* x, const float* x_scales, const void* w, const float* w_scales, const void* y,
+                       OutType out, int64_t m, int64_t n, int64_t k, int64_t ldy = 0);
 
   size_t workspace_bytes() const { return workspace_bytes_ + widened_bytes_ + fp8_rows_bytes_; }
 
@@ -84,6 +88,9 @@ class Blas {
   using Key = std::array<int64_t, 14>;
   // The cached plan; null for an FP8 shape without an algorithm (a bf16 one throws kUnsupported).
   const Plan* plan(const Key& key);
+  // linear_fp8_blocks's plan, or null where it does not run.
+  const Plan* fp8_blocks_plan(const void* x, const float* x_scales, const void* w, const float* w_scales, const void* y,
+                              OutType out, int64_t m, int64_t n, int64_t k, int64_t ldy);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

@@ -34,34 +34,58 @@ __global__ void dequantize_kernel(const uint4* __restrict__ codes, const float* 
   }
 }
 
-// A warp per 128 columns of a row, four values a lane. by_block: scales [blocks, rows].
-__global__ void quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int rows, const int* __restrict__ rows_on_device,
+// A half-warp per 128 columns of a row (a unit), 8 values a lane: one 16-byte load and one 8-byte
+// store. Each thread takes kUnits units a grid apart and issues all of their loads before it uses
+// any: with one 8-byte load a lane in flight (a warp per unit), 2,048 x 2,048 bf16 took 9.5 µs
+// and 2,048 x 4,096 15.7 µs on an H100 (ncu, L2 flushed), three to four times their bytes' time.
+// by_block: scales [blocks, rows].
+constexpr int kQuantUnits = 4;
+
+__global__ void quantize_rows_kernel(const uint4* __restrict__ x, int rows, const int* __restrict__ rows_on_device,
                                      int cols, uint8_t* __restrict__ q, float* __restrict__ scales, bool by_block) {
   begin_dependent();  // x (and rows_on_device) come from earlier work on the stream
   const int n = rows_on_device ? min(rows, *rows_on_device) : rows;
-  const int per_row = (cols + 127) / 128, lane = threadIdx.x % 32;
-  const long long warps = (long long)gridDim.x * (blockDim.x / 32);
-  for (long long item = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < (long long)n * per_row;
-       item += warps) {
-    const long long row = item / per_row;
-    const int col = static_cast<int>(item % per_row) * 128 + lane * 4;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (col < cols) {
-      const uint2 raw = *reinterpret_cast<const uint2*>(x + row * cols + col);
-      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
-    }
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  const int per_row = (cols + 127) / 128, chunks = cols / 8, sub = threadIdx.x % 16;
+  const long long units = static_cast<long long>(n) * per_row;
+  const long long stride = static_cast<long long>(gridDim.x) * (blockDim.x / 16);
+  // The loop runs over a warp's pair of units so that both halves take every shuffle.
+  for (long long pair = (static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * 2;
+       pair < units; pair += stride * kQuantUnits) {
+    const long long first = pair + (threadIdx.x / 16) % 2;
+    uint4 raw[kQuantUnits];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float scale = fp8_act_scale(amax);
-    if (col < cols) {
-      const float inverse = fp8_act_inverse(scale);
-      const uint32_t packed = fp8_act_codes2(v[0], v[1], inverse) | fp8_act_codes2(v[2], v[3], inverse) << 16;
-      *reinterpret_cast<uint32_t*>(q + row * cols + col) = packed;
+    for (int u = 0; u < kQuantUnits; ++u) {
+      const long long unit = first + u * stride;
+      const int chunk = static_cast<int>(unit % per_row) * 16 + sub;
+      raw[u] = unit < units && chunk < chunks ? x[unit / per_row * chunks + chunk] : make_uint4(0, 0, 0, 0);
     }
-    if (lane == 0) scales[by_block ? (long long)(col / 128) * rows + row : row * per_row + col / 128] = scale;
+#pragma unroll
+    for (int u = 0; u < kQuantUnits; ++u) {
+      const long long unit = first + u * stride;
+      float v[8];
+      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(pairs[i]);
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+      }
+      float amax = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      if (unit >= units) continue;  // after the shuffles: the other half's unit may be real
+      const long long row = unit / per_row;
+      const int block = static_cast<int>(unit % per_row), chunk = block * 16 + sub;
+      const float scale = fp8_act_scale(amax);
+      if (chunk < chunks) {
+        const float inverse = fp8_act_inverse(scale);
+        const uint2 packed = make_uint2(fp8_act_codes2(v[0], v[1], inverse) | fp8_act_codes2(v[2], v[3], inverse) << 16,
+                                        fp8_act_codes2(v[4], v[5], inverse) | fp8_act_codes2(v[6], v[7], inverse) << 16);
+        *reinterpret_cast<uint2*>(q + row * cols + chunk * 8) = packed;
+      }
+      if (sub == 0) scales[by_block ? static_cast<long long>(block) * rows + row : row * per_row + block] = scale;
+    }
   }
 }
 
@@ -71,16 +95,21 @@ namespace {
 
 cudaError_t quantize_rows(const void* x, int rows, const int* rows_on_device, int cols, void* q, float* scales,
                           bool by_block, cudaStream_t stream) {
-  if (rows < 0 || cols < 16 || cols % 16 != 0) return cudaErrorInvalidValue;
+  if (rows < 0 || cols < 16 || cols % 16 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(q) % 8 != 0)
+    return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
-  // At most 1024 blocks, each walking items until the rows are done: on an H100 (8 blocks of 256
+  // At most 1024 blocks, each walking units until the rows are done: on an H100 (8 blocks of 256
   // threads on each of 132 multiprocessors) all of them start at once, so a programmatic
   // dependent (the expert plan, launch_plan's beside_predecessor) is scheduled at the start
   // rather than behind the last wave.
-  const long long warps = (long long)rows * ((cols + 127) / 128);
-  const unsigned blocks = static_cast<unsigned>(warps / 8 + 1 < 1024 ? warps / 8 + 1 : 1024);
+  // A unit a thread while the rows are few (a decode step's), up to kQuantUnits once the grid is
+  // full.
+  const long long units = static_cast<long long>(rows) * ((cols + 127) / 128);
+  const long long wanted = (units + 15) / 16;
+  const unsigned blocks = static_cast<unsigned>(wanted < 1024 ? wanted : 1024);
   const cudaError_t err = launch_dependent(quantize_rows_kernel, dim3(blocks), dim3(256), 0, stream,
-                                           static_cast<const __nv_bfloat16*>(x), rows, rows_on_device, cols,
+                                           static_cast<const uint4*>(x), rows, rows_on_device, cols,
                                            static_cast<uint8_t*>(q), scales, by_block);
   return err != cudaSuccess ? err : cudaGetLastError();
 }

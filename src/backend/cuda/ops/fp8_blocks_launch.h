@@ -18,10 +18,11 @@ cudaError_t dequantize_fp8_blocks(const uint8_t* codes, const float* scales, lon
                                   long long cols, int block_rows, int block_cols, uint16_t* out,
                                   cudaStream_t stream);
 
-// Activations for an FP8 GEMM: x bf16 [rows, cols] (cols a multiple of 16) quantised per row and
-// 128 columns, scale = max |value| / 448 (1 for a block of zeros), q = E4M3(value x (1 / scale)):
-// q [rows, cols], scales [rows, ceil(cols / 128)]. rows_on_device, when set, holds the rows to
-// quantise (at most `rows`, read on the device).
+// Activations for an FP8 GEMM: x bf16 [rows, cols] quantised per row and 128 columns, scale =
+// max |value| / 448 (1 for a block of zeros), q = E4M3(value x (1 / scale)): q [rows, cols],
+// scales [rows, ceil(cols / 128)]. cols a multiple of 16, x 16-byte and q 8-byte aligned
+// (cudaErrorInvalidValue otherwise). rows_on_device, when set, holds the rows to quantise (at most
+// `rows`, read on the device).
 cudaError_t quantize_rows_fp8(const void* x, int rows, const int* rows_on_device, int cols, void* q, float* scales,
                               cudaStream_t stream);
 // The same with the scales block-major, [ceil(cols / 128), rows]: the layout of cuBLASLt's
