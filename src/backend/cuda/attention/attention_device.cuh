@@ -51,8 +51,8 @@ __device__ __forceinline__ int find_seq(const int32_t* starts, int num_seqs, int
 }
 
 // The rows of one block of the prefill kernels (attention_tiled.cu, attention_wgmma.cu): tiles of
-// `tile_rows` rows numbered sequence by sequence, the grid's x counted from the back so that the
-// longest causal tiles (a sequence's last) start first.
+// `tile_rows` rows numbered sequence by sequence, the block's index counted from the back so that
+// the longest causal tiles (a sequence's last) start first.
 struct RowTile {
   int seq;   // -1: the block has no tile (the grid is sized for the worst case)
   int row0;  // first row of the tile in q and out
@@ -60,9 +60,11 @@ struct RowTile {
   int pos0;  // cache position of the tile's row 0 (negative rows see no key)
 };
 
-__device__ __forceinline__ RowTile find_row_tile(const PagedAttentionParams& p, int tile_rows) {
+// The block's tile from its index among the grid's `count` tile slots, counted from the last.
+__device__ __forceinline__ RowTile find_row_tile(const PagedAttentionParams& p, int tile_rows, int from_last,
+                                                 int count) {
   RowTile t{-1, 0, 0, 0};
-  int tile = gridDim.x - 1 - blockIdx.x;
+  int tile = count - 1 - from_last;
   for (int s = 0; s < p.num_seqs; ++s) {
     const int nt = (p.seq_starts[s + 1] - p.seq_starts[s] + tile_rows - 1) / tile_rows;
     if (tile < nt) {

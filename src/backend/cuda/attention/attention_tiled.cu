@@ -22,10 +22,10 @@ namespace {
 constexpr int kTileQ = 64;
 constexpr int kTileK = 64;
 
-// grid: x = tile slot (counted from the back, so the longest causal tiles start first),
-// y = query head. Three blocks a multiprocessor: left to itself ptxas took 169 registers at D =
-// 128, which fits two (8 warps); capped at 168 it spilled 64 bytes (none since the row stores
-// moved into store_row_pair), and a 2048-token prefill's attention fell 16.8 -> 14.7 ms
+// grid: x = query head, y = tile slot (counted from the back, so the longest causal tiles start
+// first, every head's before any shorter one). Three blocks a multiprocessor: left to itself ptxas
+// took 169 registers at D = 128, which fits two (8 warps); capped at 168 it spills (64 bytes when
+// measured, 56 now), and a 2048-token prefill's attention fell 16.8 -> 14.7 ms
 // (qwen3-30b-a3b, H100; the prefill +4-5% in bf16 and FP8, bench/gpu_fp8_h100.md). On compute
 // capability 9.0 at D = 128 the wgmma kernel (attention_wgmma.cu) takes prefill instead.
 template <int D>
@@ -35,10 +35,10 @@ __global__ void __launch_bounds__(kThreads, 3) tiled_attention_kernel(const Page
   __shared__ __align__(16) uint16_t s_k[kTileK * kStride];
   __shared__ __align__(16) uint16_t s_v[kTileK * kStride];
 
-  const RowTile rt = find_row_tile(p, kTileQ);
+  const RowTile rt = find_row_tile(p, kTileQ, blockIdx.y, gridDim.y);
   if (rt.seq < 0) return;
   const int seq = rt.seq, row0 = rt.row0, rows = rt.rows, pos0 = rt.pos0;
-  const int head = blockIdx.y;
+  const int head = blockIdx.x;
   const int kvh = head / (p.q_heads / p.kv_heads);
   const int kv_end = pos0 + rows;  // keys this tile can see
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, 3) tiled_attention_kernel(const Page
 
 cudaError_t run_tiled(const PagedAttentionParams& p, cudaStream_t stream) {
   // Each sequence leaves at most one partly filled tile.
-  const dim3 grid((p.tokens + kTileQ - 1) / kTileQ + p.num_seqs, p.q_heads);
+  const dim3 grid(p.q_heads, (p.tokens + kTileQ - 1) / kTileQ + p.num_seqs);
   switch (p.head_dim) {
     case 32: tiled_attention_kernel<32><<<grid, kThreads, 0, stream>>>(p); break;
     case 64: tiled_attention_kernel<64><<<grid, kThreads, 0, stream>>>(p); break;

@@ -5,7 +5,8 @@
 // Why it exists: the mma.sync kernel (attention_tiled.cu) ran a 2,048-token prefill of
 // qwen3-30b-a3b at about 110 TFLOP/s (14.7 ms of a ~40 ms prefill, H100): 64-row tiles, K and V
 // loaded synchronously, register-bound to three blocks a multiprocessor. This one runs it at ~320
-// (docs/perf/wgmma-prefill-attention.md). How:
+// (docs/perf/wgmma-prefill-attention.md), ~370 with the heads varying fastest over the grid
+// (docs/perf/attention-heads-first-grid.md). How:
 // - S = Q K^T is one warpgroup's m64n128 wgmma chain over the head dim, both operands in shared
 //   memory (Q stays there for the whole block); O += P V takes P straight from the S accumulators
 //   (the accumulator layout of S is the register A fragment of the second product once rounded to
@@ -57,6 +58,7 @@ constexpr int kTileBytes = 2 * kHalfBytes;  // Q, K or V of a tile: 32 KB
 constexpr int kStages = 3;                  // tile t computed while t + 1 and t + 2 are copied
 constexpr int kSmemBytes = kTileBytes * (1 + 2 * kStages) + 1024;  // + the 1024-byte alignment
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // as the kernel's body: elsewhere it would be unused
 // store_row_pair's form for an FP8 projection's input (PagedAttentionParams::out_codes): a row
 // below p.code_rows as E4M3 codes of its head's 128 dims (one scale block: a quad holds them) and
 // the block's scale, the rest as bf16. The values are rounded to bf16 first, so that codes and
@@ -102,6 +104,7 @@ __device__ __forceinline__ void store_row_pair_codes(const PagedAttentionParams&
     }
   }
 }
+#endif
 
 __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_attention_kernel(const PagedAttentionParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -120,10 +123,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) wgmma_attention_kernel(const
     return tile + (c >> 3) * kHalfBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4);
   };
 
-  const RowTile rt = find_row_tile(p, kBlockRows);
+  // Heads vary fastest over the grid, so that every head's longest tiles start before any shorter
+  // one (longest first: the last wave holds the shortest tiles).
+  const RowTile rt = find_row_tile(p, kBlockRows, blockIdx.y, gridDim.y);
   if (rt.seq < 0) return;
   const int seq = rt.seq, row0 = rt.row0, rows = rt.rows, pos0 = rt.pos0;
-  const int head = blockIdx.y;
+  const int head = blockIdx.x;
   const int kvh = head / (p.q_heads / p.kv_heads);
   const int kv_end = pos0 + rows;  // keys this tile can see
   const int tiles = kv_end > 0 ? (kv_end + kTileKeys - 1) / kTileKeys : 0;
@@ -318,7 +323,7 @@ cudaError_t run_wgmma(const PagedAttentionParams& p, cudaStream_t stream) {
       cudaFuncSetAttribute(wgmma_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
   // Each sequence leaves at most one partly filled tile.
-  const dim3 grid((p.tokens + kBlockRows - 1) / kBlockRows + p.num_seqs, p.q_heads);
+  const dim3 grid(p.q_heads, (p.tokens + kBlockRows - 1) / kBlockRows + p.num_seqs);
   wgmma_attention_kernel<<<grid, kBlockThreads, kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
