@@ -54,16 +54,9 @@ __global__ void __maxnreg__(128) combine_kernel(const Part* __restrict__ part,
 __device__ __forceinline__ void store_codes(const uint4& normed, int g, int t, int hidden, const ResidualNorm& rn) {
   float f[8];
   unpack_bf16x8(normed, f);
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
-  const unsigned half = 0xffffu << (threadIdx.x & 16);
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(half, amax, o));
-  const float scale = fp8_act_scale(amax), inverse = fp8_act_inverse(scale);
-  *reinterpret_cast<uint2*>(rn.codes + (size_t)t * hidden + g * 8) =
-      make_uint2(fp8_act_codes2(f[0], f[1], inverse) | fp8_act_codes2(f[2], f[3], inverse) << 16,
-                 fp8_act_codes2(f[4], f[5], inverse) | fp8_act_codes2(f[6], f[7], inverse) << 16);
+  // A half-warp may stop at the row's end while the other goes on: the half's own mask.
+  const float scale = fp8_act_scale(fp8_act_half_warp_amax(f, 0xffffu << (threadIdx.x & 16)));
+  *reinterpret_cast<uint2*>(rn.codes + (size_t)t * hidden + g * 8) = fp8_act_codes8(f, fp8_act_inverse(scale));
   if (g % 16 == 0) rn.scales[(size_t)(g / 16) * rn.code_rows + t] = scale;
 }
 

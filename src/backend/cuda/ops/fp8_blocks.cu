@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "backend/cuda/bf16x8.cuh"
 #include "backend/cuda/ops/fp8_act_quant.cuh"
 #include "backend/cuda/pdl.h"
 
@@ -35,7 +36,7 @@ __global__ void dequantize_kernel(const uint4* __restrict__ codes, const float* 
 }
 
 // A half-warp per 128 columns of a row (a unit), 8 values a lane: one 16-byte load and one 8-byte
-// store. Each thread takes kUnits units a grid apart and issues all of their loads before it uses
+// store. Each thread takes kQuantUnits units a grid apart and issues all of their loads before it uses
 // any: with one 8-byte load a lane in flight (a warp per unit), 2,048 x 2,048 bf16 took 9.5 µs
 // and 2,048 x 4,096 15.7 µs on an H100 (ncu, L2 flushed), three to four times their bytes' time.
 // by_block: scales [blocks, rows].
@@ -63,27 +64,14 @@ __global__ void quantize_rows_kernel(const uint4* __restrict__ x, int rows, cons
     for (int u = 0; u < kQuantUnits; ++u) {
       const long long unit = first + u * stride;
       float v[8];
-      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(pairs[i]);
-        v[2 * i] = f.x, v[2 * i + 1] = f.y;
-      }
-      float amax = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-      for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      unpack_bf16x8(raw[u], v);
+      const float amax = fp8_act_half_warp_amax(v, 0xffffffffu);  // both halves take every shuffle
       if (unit >= units) continue;  // after the shuffles: the other half's unit may be real
       const long long row = unit / per_row;
       const int block = static_cast<int>(unit % per_row), chunk = block * 16 + sub;
       const float scale = fp8_act_scale(amax);
-      if (chunk < chunks) {
-        const float inverse = fp8_act_inverse(scale);
-        const uint2 packed = make_uint2(fp8_act_codes2(v[0], v[1], inverse) | fp8_act_codes2(v[2], v[3], inverse) << 16,
-                                        fp8_act_codes2(v[4], v[5], inverse) | fp8_act_codes2(v[6], v[7], inverse) << 16);
-        *reinterpret_cast<uint2*>(q + row * cols + chunk * 8) = packed;
-      }
+      if (chunk < chunks)
+        *reinterpret_cast<uint2*>(q + row * cols + chunk * 8) = fp8_act_codes8(v, fp8_act_inverse(scale));
       if (sub == 0) scales[by_block ? static_cast<long long>(block) * rows + row : row * per_row + block] = scale;
     }
   }
@@ -99,10 +87,12 @@ cudaError_t quantize_rows(const void* x, int rows, const int* rows_on_device, in
       reinterpret_cast<uintptr_t>(q) % 8 != 0)
     return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
-  // At most 1024 blocks, each walking units until the rows are done: on an H100 (8 blocks of 256
-  // threads on each of 132 multiprocessors) all of them start at once, so a programmatic
-  // dependent (the expert plan, launch_plan's beside_predecessor) is scheduled at the start
-  // rather than behind the last wave.
+  // At most 1024 blocks, each walking units until the rows are done. The cap was set where all of
+  // them started at once (30 registers: 8 blocks of 256 threads on each of an H100's 132
+  // multiprocessors), so that a programmatic dependent (the expert plan, launch_plan's
+  // beside_predecessor) is scheduled at the start; at this kernel's 64 registers about half are
+  // resident at once, and the layer at M = 512 and 2048 measured the same as with the old kernel
+  // (docs/perf/fp8-quantised-inputs.md).
   // A unit a thread while the rows are few (a decode step's), up to kQuantUnits once the grid is
   // full.
   const long long units = static_cast<long long>(rows) * ((cols + 127) / 128);
