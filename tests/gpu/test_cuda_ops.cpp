@@ -175,10 +175,11 @@ struct QkvCase {
 
 constexpr uint16_t kSentinel = 0x3f9d;  // an ordinary bf16 (about 1.23), so NaN checks cannot hide it
 
-// rope: the rotary table (model/rope.h); the plain one of theta 10000 unless given.
-void run_qkv_case(const QkvCase& c, uint32_t seed, const RopeScaling& scaling = {}) {
+// rope: the rotary table (model/rope.h); the plain one of theta 10000 unless given. tokens: 6
+// with the fixed positions and slots below, or more (a prefill's grouped blocks) with random ones.
+void run_qkv_case(const QkvCase& c, uint32_t seed, const RopeScaling& scaling = {}, int tokens = 6) {
   std::mt19937 rng(seed);
-  const int tokens = 6, block_size = 4, num_blocks = 5;
+  const int block_size = 4, num_blocks = tokens == 6 ? 5 : (tokens + 3) / block_size + 2;
   const int hd = c.head_dim, qw = c.q_heads * hd, kw = c.kv_heads * hd, width = qw + 2 * kw;
   const auto qkv = random_bf16_exact(static_cast<size_t>(tokens) * width, rng, 1.5f);
   const auto bias = random_bf16_exact(static_cast<size_t>(width), rng, 0.5f);
@@ -189,10 +190,19 @@ void run_qkv_case(const QkvCase& c, uint32_t seed, const RopeScaling& scaling = 
   RopeTable table;
   if (c.rot_dim > 0) table = rope_table(scaling, 10000.0, c.rot_dim);
   const std::vector<float>& inv_freq = table.inv_freq;
-  const std::vector<int32_t> positions = {0, 1, 17, 4095, 70000, 3};
+  std::vector<int32_t> positions = {0, 1, 17, 4095, 70000, 3};
   // Scattered over blocks, out of order; token 4 is padding and writes nothing.
-  const std::vector<int32_t> slots = {2 * block_size + 3, 4 * block_size + 0, 0 * block_size + 1,
-                                      3 * block_size + 2, -1, 1 * block_size + 0};
+  std::vector<int32_t> slots = {2 * block_size + 3, 4 * block_size + 0, 0 * block_size + 1,
+                                3 * block_size + 2, -1, 1 * block_size + 0};
+  if (tokens != 6) {  // distinct cache rows in a random order, every seventh token padding
+    positions.resize(static_cast<size_t>(tokens));
+    for (auto& x : positions) x = std::uniform_int_distribution<int32_t>(0, 70000)(rng);
+    slots.resize(static_cast<size_t>(num_blocks) * block_size);
+    std::iota(slots.begin(), slots.end(), 0);
+    std::shuffle(slots.begin(), slots.end(), rng);
+    slots.resize(static_cast<size_t>(tokens));
+    for (size_t t = 3; t < slots.size(); t += 7) slots[t] = -1;
+  }
 
   // The CPU reference in Model::attention's order.
   ThreadPool pool(1);
@@ -216,7 +226,8 @@ void run_qkv_case(const QkvCase& c, uint32_t seed, const RopeScaling& scaling = 
   rope(q.data(), tokens, c.q_heads, hd, c.rot_dim, positions.data(), inv_freq.data(), table.cos_sin_scale);
   rope(kk.data(), tokens, c.kv_heads, hd, c.rot_dim, positions.data(), inv_freq.data(), table.cos_sin_scale);
 
-  DeviceBuffer<float> dqkv(qkv), dbias(bias), dqn(qn), dkn(kn), dfreq(inv_freq.empty() ? std::vector<float>{0.0f} : inv_freq);
+  DeviceBuffer<uint16_t> dqkv(to_bf16(qkv));  // bf16-exact: the reference reads the same values
+  DeviceBuffer<float> dbias(bias), dqn(qn), dkn(kn), dfreq(inv_freq.empty() ? std::vector<float>{0.0f} : inv_freq);
   DeviceBuffer<int32_t> dpos(positions), dslots(slots);
   const size_t cache_elems = static_cast<size_t>(num_blocks) * block_size * kw;
   const std::vector<uint16_t> sentinel(cache_elems, kSentinel);
@@ -295,6 +306,11 @@ TEST(CudaOps, PrepareQkvMatchesCpuInEveryMode) {
   yarn.original_max_position = 64;
   run_qkv_case({4, 2, 128, 128, 1, true, false, 0.0f}, 93, yarn);
   run_qkv_case({4, 2, 64, 64, 0, false, true, 0.0f}, 94, yarn);
+  // Prefill sizes, where a block takes several tokens (the last group short: 1027 = 4 x 256 + 3).
+  for (int norm = 0; norm <= 2; ++norm) {
+    run_qkv_case({8, 2, 128, 128, norm, true, norm == 2, 0.0f}, 95 + norm, {}, 1027);
+    run_qkv_case({6, 3, 64, 32, norm, false, true, 1.1f}, 98 + norm, {}, 1026);
+  }
 }
 
 TEST(CudaOps, RejectsUnsupportedSizes) {

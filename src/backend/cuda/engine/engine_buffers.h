@@ -45,7 +45,7 @@ StepMeta carve_meta(A& a, int64_t tokens, int64_t seqs, int64_t max_blocks) {
 struct Workspace {
   float* x;              // residual stream [T, H]
   uint16_t* h;           // normalised [T, H]
-  float* qkv;            // [T, (heads + 2 kv_heads) * head_dim]; MLA: q [T, heads * (nope + rope)]
+  float* qkv;            // bf16 [T, (heads + 2 kv_heads) * head_dim] at its start; MLA: f32 q [T, heads * (nope + rope)]
   uint16_t* q;           // [T, heads * head_dim]; MLA: q_full [T, heads, lora + rope]
   uint16_t* attn;        // [T, heads * head_dim]; MLA: [T, heads * v]
   // Latent attention only (empty for GQA models).

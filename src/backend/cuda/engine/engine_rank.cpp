@@ -517,13 +517,16 @@ void Rank::attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max_contex
   const DeviceLayer& L = model->layers[static_cast<size_t>(l)];
   const int64_t hd = c.head_dim, qw = model->q_heads * hd, kw = model->kv_heads * hd;
   const int64_t qkvw = qw + 2 * kw;
+  // q, k and v leave their projection in bf16, as the reference's linear layers return them: at a
+  // 2048-token prefill of qwen3-30b-a3b that is 21 MB less written and read back a layer than f32.
+  auto* qkv = reinterpret_cast<uint16_t*>(ws.qkv);
   if (L.qkv_fused) {
-    project(*blas, qkv_in, ws.h, L.q, ws.qkv, OutType::kF32, tokens, stream);
+    project(*blas, qkv_in, ws.h, L.q, qkv, OutType::kBf16, tokens, stream);
     qkv_in = {};
   } else {
-    project(*blas, ws.h, L.q, ws.qkv, OutType::kF32, tokens, stream, qkvw);
-    project(*blas, ws.h, L.k, ws.qkv + qw, OutType::kF32, tokens, stream, qkvw);
-    project(*blas, ws.h, L.v, ws.qkv + qw + kw, OutType::kF32, tokens, stream, qkvw);
+    project(*blas, ws.h, L.q, qkv, OutType::kBf16, tokens, stream, qkvw);
+    project(*blas, ws.h, L.k, qkv + qw, OutType::kBf16, tokens, stream, qkvw);
+    project(*blas, ws.h, L.v, qkv + qw + kw, OutType::kBf16, tokens, stream, qkvw);
   }
   mark("qkv projection");
   kernels::QkvParams p;
@@ -546,7 +549,7 @@ void Rank::attention(int64_t l, int64_t tokens, int64_t seqs, int64_t max_contex
   p.k_cache = k_cache[static_cast<size_t>(l)];
   p.v_cache = v_cache[static_cast<size_t>(l)];
   p.q_out = ws.q;
-  MOE_CUDA_CHECK(kernels::prepare_qkv(ws.qkv, p, stream));
+  MOE_CUDA_CHECK(kernels::prepare_qkv(qkv, p, stream));
   mark("qk norm, rope, KV write");
   kernels::PagedAttentionParams a;
   describe_sequences(a, meta, opts.block_size, tokens, seqs, max_blocks, max_context);
@@ -683,7 +686,7 @@ bool Rank::feed_forward(int64_t l, int64_t tokens, bool* next_normed) {
     const DeviceLayer& N = model->layers[static_cast<size_t>(l + 1)];
     Experts::NextNorm next{ws.x, N.input_norm, c.rms_norm_eps, ws.h};
     // The next q/k/v projection, where it is one W8A8 product, takes its input quantised here.
-    qkv_in = c.attention != AttentionKind::kMla && N.qkv_fused ? fp8_input_room(*blas, N.q, ws.qkv, OutType::kF32, tokens)
+    qkv_in = c.attention != AttentionKind::kMla && N.qkv_fused ? fp8_input_room(*blas, N.q, ws.qkv, OutType::kBf16, tokens)
                                                                : Fp8Input{};
     next.codes = qkv_in.codes;
     next.scales = qkv_in.scales;

@@ -225,15 +225,19 @@ int grid_for(size_t work, int threads) {
 
 constexpr int kQkvWarps = 8;
 
-// Grid (tokens, head tiles of kQkvWarps); one warp per head of q | k | v. Lane l owns the feature
-// pairs p = l + 32 m, m < PPL (pairs a lane: the head dim / 64, rounded up): rotated pairs
-// (p, p + rot/2) or (2p, 2p + 1) for p < rot/2, then consecutive unrotated pairs, so the norm,
-// clip and rotation of a pair never leave the lane. The rotation's sines and cosines depend on the
-// token only: the block computes them once into shared memory for its heads. (With one warp
-// computing its own, four warps a block and PPL fixed at 4, the 2048-token prefill of
-// qwen3-30b-a3b issued 485 instructions a head and was issue-bound: 53 µs a layer under ncu.)
-template <int PPL>
-__global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const float* __restrict__ qkv,
+// Grid (token groups of T, head tiles of kQkvWarps); one warp per head of q | k | v, for each of
+// the group's T tokens. Lane l owns the feature pairs p = l + 32 m, m < PPL (pairs a lane: the head
+// dim / 64, rounded up): rotated pairs (p, p + rot/2) or (2p, 2p + 1) for p < rot/2, then
+// consecutive unrotated pairs, so the norm, clip and rotation of a pair never leave the lane. The
+// rotation's sines and cosines depend on the token only: the block computes its tokens' once into
+// shared memory for its heads. (With one warp computing its own, four warps a block and PPL fixed
+// at 4, the 2048-token prefill of qwen3-30b-a3b issued 485 instructions a head and was
+// issue-bound: 53 µs a layer under ncu.) A warp issues all T tokens' loads before using any: with
+// one token a block a prefill ran about ten waves of short blocks, each a chain of dependent
+// latencies (qk_group below). Still issue-bound at four (ncu, 2048 tokens: 34.6 µs, 23.1M warp
+// instructions, 0.71 issued a scheduler cycle, for 27 MB of DRAM traffic).
+template <int PPL, int T>
+__global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const uint16_t* __restrict__ qkv,
                                                              QkvParams p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int head = blockIdx.y * kQkvWarps + warp;
@@ -246,20 +250,21 @@ __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const float* __rest
   if (normed && p.qk_norm == 2) w += static_cast<size_t>(h) * hd;
 
   // What does not depend on the projection is read and computed before waiting for it (pdl.h),
-  // overlapping its tail: the norm scales, the token's position and cache slot (metadata,
+  // overlapping its tail: the norm scales, the tokens' positions and cache slots (metadata,
   // constant over the forward) and the rotation's sines and cosines.
-  const int t = blockIdx.x;
-  __shared__ float rot_sin[kQkvMaxHeadDim / 2], rot_cos[kQkvMaxHeadDim / 2];
-  {
-    const float pos = p.positions ? static_cast<float>(p.positions[t]) : 0.0f;
-    for (int q = threadIdx.x; q < rh; q += blockDim.x) {
-      float sn, cs;
-      sincosf(pos * p.inv_freq[q], &sn, &cs);
-      rot_sin[q] = sn * p.rope_scale;
-      rot_cos[q] = cs * p.rope_scale;
-    }
+  const int t0 = blockIdx.x * T, n = min(T, p.tokens - t0);
+  __shared__ float rot_sin[T][kQkvMaxHeadDim / 2], rot_cos[T][kQkvMaxHeadDim / 2];
+  for (int i = threadIdx.x; i < n * rh; i += blockDim.x) {
+    const int u = i / rh, q = i % rh;
+    const float pos = p.positions ? static_cast<float>(p.positions[t0 + u]) : 0.0f;
+    float sn, cs;
+    sincosf(pos * p.inv_freq[q], &sn, &cs);
+    rot_sin[u][q] = sn * p.rope_scale;
+    rot_cos[u][q] = cs * p.rope_scale;
   }
-  const int slot = kind == 0 ? 0 : p.slots[t];
+  int slot[T];
+#pragma unroll
+  for (int u = 0; u < T; ++u) slot[u] = kind == 0 || u >= n ? 0 : p.slots[t0 + u];
   int e0[PPL], e1[PPL];
   float w0[PPL], w1[PPL];
 #pragma unroll
@@ -279,79 +284,108 @@ __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const float* __rest
   wait_for_predecessor();
   allow_dependents();
   __shared__ float red[32];
-  __shared__ float full_inv[2];
+  __shared__ float full_inv[T][2];
   const int width = (p.q_heads + 2 * p.kv_heads) * hd;
-  const float* row = qkv + static_cast<size_t>(t) * width;
   if (p.qk_norm == 2) {
-    // Full-width norm: every block of this token needs both sums; recomputing them per block is
+    // Full-width norm: every block of a token needs both sums; recomputing them per block is
     // cheaper than another launch at decode sizes.
     const int qw = p.q_heads * hd, kw = p.kv_heads * hd;
-    float sq = 0.0f, sk = 0.0f;
-    for (int i = threadIdx.x; i < qw + kw; i += blockDim.x) {
-      float v = row[i] + (p.bias ? p.bias[i] : 0.0f);
-      (i < qw ? sq : sk) += v * v;
-    }
-    sq = block_sum(sq, red);
-    sk = block_sum(sk, red);
-    if (threadIdx.x == 0) {
-      full_inv[0] = 1.0f / sqrtf(sq / static_cast<float>(qw) + p.eps);
-      full_inv[1] = 1.0f / sqrtf(sk / static_cast<float>(kw) + p.eps);
+    for (int u = 0; u < n; ++u) {
+      const uint16_t* row = qkv + static_cast<size_t>(t0 + u) * width;
+      float sq = 0.0f, sk = 0.0f;
+      for (int i = threadIdx.x; i < qw + kw; i += blockDim.x) {
+        float v = bf(row[i]) + (p.bias ? p.bias[i] : 0.0f);
+        (i < qw ? sq : sk) += v * v;
+      }
+      sq = block_sum(sq, red);
+      sk = block_sum(sk, red);
+      if (threadIdx.x == 0) {
+        full_inv[u][0] = 1.0f / sqrtf(sq / static_cast<float>(qw) + p.eps);
+        full_inv[u][1] = 1.0f / sqrtf(sk / static_cast<float>(kw) + p.eps);
+      }
     }
   }
   __syncthreads();  // the sines and cosines, and full_inv
   if (!real) return;
-  const float* src = row + static_cast<size_t>(head) * hd;
   const float* bias = p.bias ? p.bias + static_cast<size_t>(head) * hd : nullptr;
 
-  float a[PPL], b[PPL];
-  float ss = 0.0f;
+  float a[T][PPL], b[T][PPL];
 #pragma unroll
-  for (int m = 0; m < PPL; ++m) {
-    const int q = lane + 32 * m;
-    a[m] = b[m] = 0.0f;
-    if (q < pairs) {
-      a[m] = src[e0[m]] + (bias ? bias[e0[m]] : 0.0f);
-      b[m] = src[e1[m]] + (bias ? bias[e1[m]] : 0.0f);
-      ss += a[m] * a[m] + b[m] * b[m];
+  for (int u = 0; u < T; ++u) {
+    const uint16_t* src = qkv + static_cast<size_t>(t0 + u) * width + static_cast<size_t>(head) * hd;
+#pragma unroll
+    for (int m = 0; m < PPL; ++m) {
+      const int q = lane + 32 * m;
+      const bool in = u < n && q < pairs;
+      a[u][m] = in ? bf(src[e0[m]]) : 0.0f;
+      b[u][m] = in ? bf(src[e1[m]]) : 0.0f;
     }
   }
-  float inv = 1.0f;
-  if (normed)
-    inv = p.qk_norm == 1 ? 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(hd) + p.eps) : full_inv[kind];
-  uint16_t* dst;
-  if (kind == 0) {
-    dst = p.q_out + (static_cast<size_t>(t) * p.q_heads + h) * hd;
-  } else {
-    if (slot < 0) return;
-    dst = (kind == 1 ? p.k_cache : p.v_cache) + (static_cast<size_t>(slot) * p.kv_heads + h) * hd;
-  }
 #pragma unroll
-  for (int m = 0; m < PPL; ++m) {
-    const int q = lane + 32 * m;
-    if (q >= pairs) continue;
-    const int i0 = e0[m], i1 = e1[m];
-    float x0 = a[m], x1 = b[m];
-    if (normed) {
-      x0 = w0[m] * (x0 * inv);
-      x1 = w1[m] * (x1 * inv);
+  for (int u = 0; u < T; ++u) {
+    if (u >= n) break;
+    float ss = 0.0f;
+#pragma unroll
+    for (int m = 0; m < PPL; ++m) {
+      const int q = lane + 32 * m;
+      if (q < pairs) {
+        a[u][m] += bias ? bias[e0[m]] : 0.0f;
+        b[u][m] += bias ? bias[e1[m]] : 0.0f;
+        ss += a[u][m] * a[u][m] + b[u][m] * b[u][m];
+      }
     }
-    if (p.clip > 0.0f) {
-      x0 = fminf(fmaxf(x0, -p.clip), p.clip);
-      x1 = fminf(fmaxf(x1, -p.clip), p.clip);
-    }
-    if (kind != 2 && q < rh) {
-      const float s = rot_sin[q], c = rot_cos[q];
-      const float r0 = x0 * c - x1 * s, r1 = x1 * c + x0 * s;
-      x0 = r0;
-      x1 = r1;
-    }
-    if (i1 == i0 + 1) {
-      *reinterpret_cast<uint32_t*>(dst + i0) = pack2(x0, x1);
+    float inv = 1.0f;
+    if (normed)
+      inv = p.qk_norm == 1 ? 1.0f / sqrtf(warp_sum(ss) / static_cast<float>(hd) + p.eps) : full_inv[u][kind];
+    const int t = t0 + u;
+    uint16_t* dst;
+    if (kind == 0) {
+      dst = p.q_out + (static_cast<size_t>(t) * p.q_heads + h) * hd;
     } else {
-      dst[i0] = to_bf(x0);
-      dst[i1] = to_bf(x1);
+      if (slot[u] < 0) continue;  // padding: no k, v
+      dst = (kind == 1 ? p.k_cache : p.v_cache) + (static_cast<size_t>(slot[u]) * p.kv_heads + h) * hd;
+    }
+#pragma unroll
+    for (int m = 0; m < PPL; ++m) {
+      const int q = lane + 32 * m;
+      if (q >= pairs) continue;
+      const int i0 = e0[m], i1 = e1[m];
+      float x0 = a[u][m], x1 = b[u][m];
+      if (normed) {
+        x0 = w0[m] * (x0 * inv);
+        x1 = w1[m] * (x1 * inv);
+      }
+      if (p.clip > 0.0f) {
+        x0 = fminf(fmaxf(x0, -p.clip), p.clip);
+        x1 = fminf(fmaxf(x1, -p.clip), p.clip);
+      }
+      if (kind != 2 && q < rh) {
+        const float sn = rot_sin[u][q], c = rot_cos[u][q];
+        const float r0 = x0 * c - x1 * sn, r1 = x1 * c + x0 * sn;
+        x0 = r0;
+        x1 = r1;
+      }
+      if (i1 == i0 + 1) {
+        *reinterpret_cast<uint32_t*>(dst + i0) = pack2(x0, x1);
+      } else {
+        dst[i0] = to_bf(x0);
+        dst[i1] = to_bf(x1);
+      }
     }
   }
+}
+
+// Tokens a block takes: four from kQkvGroupFrom tokens (prefill chunks; the grid still runs four
+// or more waves of blocks at 1024), one below (decode steps, one block a token as before). H100,
+// 2048-token prefill of qwen3-30b-a3b, 48 layers: 1.98 -> 1.74 ms (FP8), 1.99 -> 1.80 ms (bf16);
+// smaller chunks were not measured (docs/perf/qkv-bf16-grouped-epilogue.md).
+constexpr int kQkvGroupFrom = 1024;
+int qk_group(int tokens) { return tokens >= kQkvGroupFrom ? 4 : 1; }
+
+template <int PPL>
+void launch_qkv(int group, dim3 grid, cudaStream_t stream, const uint16_t* qkv, const QkvParams& p) {
+  if (group == 4) launch_dependent(qkv_kernel<PPL, 4>, grid, kQkvWarps * 32, 0, stream, qkv, p);
+  else launch_dependent(qkv_kernel<PPL, 1>, grid, kQkvWarps * 32, 0, stream, qkv, p);
 }
 
 }  // namespace
@@ -400,20 +434,20 @@ cudaError_t sigmoid_scale_rows(uint16_t* y, const float* gate, int rows, int wid
   return cudaGetLastError();
 }
 
-cudaError_t prepare_qkv(const float* qkv, const QkvParams& p, cudaStream_t stream) {
+cudaError_t prepare_qkv(const uint16_t* qkv, const QkvParams& p, cudaStream_t stream) {
   if (p.tokens < 0 || p.q_heads <= 0 || p.kv_heads <= 0 || p.head_dim <= 0 ||
       p.head_dim % 2 != 0 || p.head_dim > kQkvMaxHeadDim || p.rot_dim < 0 || p.rot_dim % 2 != 0 ||
       p.rot_dim > p.head_dim || p.qk_norm < 0 || p.qk_norm > 2 ||
       (p.qk_norm != 0 && (!p.q_norm || !p.k_norm)) || (p.rot_dim > 0 && (!p.inv_freq || !p.positions)) ||
-      !p.slots || !p.k_cache || !p.v_cache || !p.q_out || (reinterpret_cast<uintptr_t>(qkv) & 7) != 0)
+      !p.slots || !p.k_cache || !p.v_cache || !p.q_out || (reinterpret_cast<uintptr_t>(qkv) & 3) != 0)
     return cudaErrorInvalidValue;
   if (p.tokens == 0) return cudaGetLastError();
-  const int heads = p.q_heads + 2 * p.kv_heads;
-  const dim3 grid(p.tokens, (heads + kQkvWarps - 1) / kQkvWarps);
+  const int heads = p.q_heads + 2 * p.kv_heads, group = qk_group(p.tokens);
+  const dim3 grid((p.tokens + group - 1) / group, (heads + kQkvWarps - 1) / kQkvWarps);
   const int pairs_per_lane = (p.head_dim / 2 + 31) / 32;
-  if (pairs_per_lane <= 1) launch_dependent(qkv_kernel<1>, grid, kQkvWarps * 32, 0, stream, qkv, p);
-  else if (pairs_per_lane <= 2) launch_dependent(qkv_kernel<2>, grid, kQkvWarps * 32, 0, stream, qkv, p);
-  else launch_dependent(qkv_kernel<4>, grid, kQkvWarps * 32, 0, stream, qkv, p);
+  if (pairs_per_lane <= 1) launch_qkv<1>(group, grid, stream, qkv, p);
+  else if (pairs_per_lane <= 2) launch_qkv<2>(group, grid, stream, qkv, p);
+  else launch_qkv<4>(group, grid, stream, qkv, p);
   return cudaGetLastError();
 }
 

@@ -63,8 +63,9 @@ struct QkvParams {
   uint16_t* q_out = nullptr;  // bf16 [tokens, q_heads, head_dim]
 };
 
-// qkv: f32 [tokens, (q_heads + 2 kv_heads) * head_dim], columns q | k | v.
-cudaError_t prepare_qkv(const float* qkv, const QkvParams& p, cudaStream_t stream);
+// qkv: bf16 [tokens, (q_heads + 2 kv_heads) * head_dim], columns q | k | v, as the projection
+// rounds them (the reference implementation's linear layers return bf16 too); 4-byte aligned.
+cudaError_t prepare_qkv(const uint16_t* qkv, const QkvParams& p, cudaStream_t stream);
 
 constexpr int kRouterMaxExperts = 512;
 constexpr int kRouterMaxTopK = 16;
