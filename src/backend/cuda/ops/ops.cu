@@ -235,8 +235,11 @@ constexpr int kQkvWarps = 8;
 // issue-bound: 53 µs a layer under ncu.) A warp issues all T tokens' loads before using any: with
 // one token a block a prefill ran about ten waves of short blocks, each a chain of dependent
 // latencies (qk_group below). Still issue-bound at four (ncu, 2048 tokens: 34.6 µs, 23.1M warp
-// instructions, 0.71 issued a scheduler cycle, for 27 MB of DRAM traffic).
-template <int PPL, int T>
+// instructions, 0.71 issued a scheduler cycle, for 27 MB of DRAM traffic), much of it address
+// arithmetic and bounds tests on run-time sizes: kWhole (the usual layout: the whole head rotated
+// by halves, head_dim 64 PPL, so that every lane's pairs are whole and rotated) makes the pair
+// count, the rotated half and the element offsets compile-time constants: 25.8 µs, 16.3M.
+template <int PPL, int T, bool kWhole>
 __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const uint16_t* __restrict__ qkv,
                                                              QkvParams p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -244,7 +247,8 @@ __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const uint16_t* __r
   const bool real = head < p.q_heads + 2 * p.kv_heads;
   const int kind = head < p.q_heads ? 0 : (head < p.q_heads + p.kv_heads ? 1 : 2);  // q, k, v
   const int h = kind == 0 ? head : (kind == 1 ? head - p.q_heads : head - p.q_heads - p.kv_heads);
-  const int hd = p.head_dim, pairs = hd / 2, rh = p.rot_dim / 2;
+  const int hd = kWhole ? 64 * PPL : p.head_dim, pairs = hd / 2, rh = kWhole ? pairs : p.rot_dim / 2;
+  const bool rope_half = kWhole || p.rope_half;
   const bool normed = p.qk_norm != 0 && kind != 2;
   const float* w = kind == 0 ? p.q_norm : p.k_norm;
   if (normed && p.qk_norm == 2) w += static_cast<size_t>(h) * hd;
@@ -271,10 +275,10 @@ __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const uint16_t* __r
   for (int m = 0; m < PPL; ++m) {
     const int q = lane + 32 * m;
     if (q < rh) {
-      e0[m] = p.rope_half ? q : 2 * q;
-      e1[m] = p.rope_half ? q + rh : 2 * q + 1;
+      e0[m] = rope_half ? q : 2 * q;
+      e1[m] = rope_half ? q + rh : 2 * q + 1;
     } else {
-      e0[m] = p.rot_dim + 2 * (q - rh);
+      e0[m] = 2 * rh + 2 * (q - rh);  // rot_dim = 2 rh
       e1[m] = e0[m] + 1;
     }
     const bool mine = real && q < pairs;
@@ -382,10 +386,17 @@ __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const uint16_t* __r
 constexpr int kQkvGroupFrom = 1024;
 int qk_group(int tokens) { return tokens >= kQkvGroupFrom ? 4 : 1; }
 
+template <int PPL, bool kWhole>
+void launch_qkv_grouped(int group, dim3 grid, cudaStream_t stream, const uint16_t* qkv, const QkvParams& p) {
+  if (group == 4) launch_dependent(qkv_kernel<PPL, 4, kWhole>, grid, kQkvWarps * 32, 0, stream, qkv, p);
+  else launch_dependent(qkv_kernel<PPL, 1, kWhole>, grid, kQkvWarps * 32, 0, stream, qkv, p);
+}
+
 template <int PPL>
 void launch_qkv(int group, dim3 grid, cudaStream_t stream, const uint16_t* qkv, const QkvParams& p) {
-  if (group == 4) launch_dependent(qkv_kernel<PPL, 4>, grid, kQkvWarps * 32, 0, stream, qkv, p);
-  else launch_dependent(qkv_kernel<PPL, 1>, grid, kQkvWarps * 32, 0, stream, qkv, p);
+  const bool whole = p.rope_half && p.rot_dim == p.head_dim && p.head_dim == 64 * PPL;
+  if (whole) launch_qkv_grouped<PPL, true>(group, grid, stream, qkv, p);
+  else launch_qkv_grouped<PPL, false>(group, grid, stream, qkv, p);
 }
 
 }  // namespace
