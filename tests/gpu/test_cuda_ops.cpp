@@ -177,7 +177,10 @@ constexpr uint16_t kSentinel = 0x3f9d;  // an ordinary bf16 (about 1.23), so NaN
 
 // rope: the rotary table (model/rope.h); the plain one of theta 10000 unless given. tokens: 6
 // with the fixed positions and slots below, or more (a prefill's grouped blocks) with random ones.
-void run_qkv_case(const QkvCase& c, uint32_t seed, const RopeScaling& scaling = {}, int tokens = 6) {
+// qkv_offset: elements the input starts past a 256-byte boundary (2: only 4-byte aligned, which
+// sends the usual layout to the general kernel instead of the two-heads-a-warp one).
+void run_qkv_case(const QkvCase& c, uint32_t seed, const RopeScaling& scaling = {}, int tokens = 6,
+                  int qkv_offset = 0) {
   std::mt19937 rng(seed);
   const int block_size = 4, num_blocks = tokens == 6 ? 5 : (tokens + 3) / block_size + 2;
   const int hd = c.head_dim, qw = c.q_heads * hd, kw = c.kv_heads * hd, width = qw + 2 * kw;
@@ -226,7 +229,10 @@ void run_qkv_case(const QkvCase& c, uint32_t seed, const RopeScaling& scaling = 
   rope(q.data(), tokens, c.q_heads, hd, c.rot_dim, positions.data(), inv_freq.data(), table.cos_sin_scale);
   rope(kk.data(), tokens, c.kv_heads, hd, c.rot_dim, positions.data(), inv_freq.data(), table.cos_sin_scale);
 
-  DeviceBuffer<uint16_t> dqkv(to_bf16(qkv));  // bf16-exact: the reference reads the same values
+  std::vector<uint16_t> qkv_bits(static_cast<size_t>(qkv_offset), 0);
+  const auto bits = to_bf16(qkv);
+  qkv_bits.insert(qkv_bits.end(), bits.begin(), bits.end());
+  DeviceBuffer<uint16_t> dqkv(qkv_bits);  // bf16-exact: the reference reads the same values
   DeviceBuffer<float> dbias(bias), dqn(qn), dkn(kn), dfreq(inv_freq.empty() ? std::vector<float>{0.0f} : inv_freq);
   DeviceBuffer<int32_t> dpos(positions), dslots(slots);
   const size_t cache_elems = static_cast<size_t>(num_blocks) * block_size * kw;
@@ -253,14 +259,15 @@ void run_qkv_case(const QkvCase& c, uint32_t seed, const RopeScaling& scaling = 
   p.k_cache = kc.get();
   p.v_cache = vc.get();
   p.q_out = qo.get();
-  ASSERT_EQ(k::prepare_qkv(dqkv.get(), p, nullptr), cudaSuccess);
+  ASSERT_EQ(k::prepare_qkv(dqkv.get() + qkv_offset, p, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   const std::string what = "heads " + std::to_string(c.q_heads) + "/" + std::to_string(c.kv_heads) +
                            " hd " + std::to_string(hd) + " rot " + std::to_string(c.rot_dim) +
                            " norm " + std::to_string(c.qk_norm) + (c.rope_half ? " half" : " interleaved") +
                            (c.bias ? " bias" : "") + " clip " + std::to_string(c.clip) + " rope " +
-                           rope_type_name(scaling.type);
+                           rope_type_name(scaling.type) + " tokens " + std::to_string(tokens) +
+                           " offset " + std::to_string(qkv_offset);
   EXPECT_EQ(bf16_mismatches(qo.download(), q), 0u) << "q: " << what;
   const auto kg = kc.download(), vg = vc.download();
   std::vector<uint16_t> kw_got, vw_got;
@@ -310,7 +317,16 @@ TEST(CudaOps, PrepareQkvMatchesCpuInEveryMode) {
   for (int norm = 0; norm <= 2; ++norm) {
     run_qkv_case({8, 2, 128, 128, norm, true, norm == 2, 0.0f}, 95 + norm, {}, 1027);
     run_qkv_case({6, 3, 64, 32, norm, false, true, 1.1f}, 98 + norm, {}, 1026);
+    // The usual layout (two heads a warp) at every head size it takes, with an odd head count so
+    // that a half-warp holds no head, bias and clip.
+    run_qkv_case({5, 1, 64, 64, norm, true, norm != 1, norm == 1 ? 1.1f : 0.0f}, 101 + norm, {}, 1027);
+    run_qkv_case({3, 1, 256, 256, norm, true, true, 0.0f}, 104 + norm, {}, 1026);
   }
+  // Decode sizes with an odd head count, and the usual layout from an input aligned to 4 bytes
+  // only, which the general kernel takes.
+  run_qkv_case({5, 1, 128, 128, 1, true, true, 0.0f}, 107);
+  run_qkv_case({4, 2, 128, 128, 1, true, false, 0.0f}, 108, {}, 6, 2);
+  run_qkv_case({8, 2, 128, 128, 2, true, true, 1.1f}, 109, {}, 1027, 2);
 }
 
 TEST(CudaOps, RejectsUnsupportedSizes) {

@@ -1,7 +1,7 @@
 // The small per-layer ops of the GPU engine: embedding gather, residual add + RMSNorm, plain
 // RMSNorm, SiLU gating, sigmoid row scaling and the q/k/v epilogue (bias, q/k norm, clip, rotary,
 // paged-cache scatter). They run at every layer of every decode step, so rows are handled by one
-// block (norms) or one warp per head (q/k/v) with 16-byte loads where the widths allow, and no
+// block (norms) or a warp or half-warp per head (q/k/v) with 16-byte loads where the widths allow, and no
 // atomics. Arithmetic follows the CPU kernels (src/backend/cpu/elementwise.cpp) term by term:
 // rmsnorm is weight * (x * inv), silu is g / (1 + exp(-g)) * u, so only reduction order and
 // libm-level rounding differ. Only CUDA headers here (see ops_launch.h).
@@ -225,6 +225,44 @@ int grid_for(size_t work, int threads) {
 
 constexpr int kQkvWarps = 8;
 
+// The rotation's sines and cosines (scaled by rope_scale) of tokens t0 .. t0 + n - 1 for frequency
+// indices below rh, into sin_ / cos_ rows of `stride` floats: they depend on the token only, so a
+// block computes them once for all its heads, before waiting for the projection (pdl.h).
+__device__ __forceinline__ void rotation_table(const QkvParams& p, int t0, int n, int rh, int stride,
+                                               float* sin_, float* cos_) {
+  for (int i = threadIdx.x; i < n * rh; i += blockDim.x) {
+    const int u = i / rh, q = i % rh;
+    const float pos = p.positions ? static_cast<float>(p.positions[t0 + u]) : 0.0f;
+    float sn, cs;
+    sincosf(pos * p.inv_freq[q], &sn, &cs);
+    sin_[u * stride + q] = sn * p.rope_scale;
+    cos_[u * stride + q] = cs * p.rope_scale;
+  }
+}
+
+// The full-width q/k norm (qk_norm 2, OLMoE): 1 / rms of the q part and of the k part of each of
+// the n rows from t0, into inv[u][0] and inv[u][1] (thread 0 writes; the caller syncs). Every
+// block of a token needs both sums; recomputing them per block is cheaper than another launch at
+// decode sizes.
+__device__ void full_width_inverses(const uint16_t* qkv, const QkvParams& p, int hd, int t0, int n,
+                                    float* red, float (*inv)[2]) {
+  const int qw = p.q_heads * hd, kw = p.kv_heads * hd, width = (p.q_heads + 2 * p.kv_heads) * hd;
+  for (int u = 0; u < n; ++u) {
+    const uint16_t* row = qkv + static_cast<size_t>(t0 + u) * width;
+    float sq = 0.0f, sk = 0.0f;
+    for (int i = threadIdx.x; i < qw + kw; i += blockDim.x) {
+      float v = bf(row[i]) + (p.bias ? p.bias[i] : 0.0f);
+      (i < qw ? sq : sk) += v * v;
+    }
+    sq = block_sum(sq, red);
+    sk = block_sum(sk, red);
+    if (threadIdx.x == 0) {
+      inv[u][0] = 1.0f / sqrtf(sq / static_cast<float>(qw) + p.eps);
+      inv[u][1] = 1.0f / sqrtf(sk / static_cast<float>(kw) + p.eps);
+    }
+  }
+}
+
 // Grid (token groups of T, head tiles of kQkvWarps); one warp per head of q | k | v, for each of
 // the group's T tokens. Lane l owns the feature pairs p = l + 32 m, m < PPL (pairs a lane: the head
 // dim / 64, rounded up): rotated pairs (p, p + rot/2) or (2p, 2p + 1) for p < rot/2, then
@@ -234,12 +272,9 @@ constexpr int kQkvWarps = 8;
 // at 4, the 2048-token prefill of qwen3-30b-a3b issued 485 instructions a head and was
 // issue-bound: 53 µs a layer under ncu.) A warp issues all T tokens' loads before using any: with
 // one token a block a prefill ran about ten waves of short blocks, each a chain of dependent
-// latencies (qk_group below). Still issue-bound at four (ncu, 2048 tokens: 34.6 µs, 23.1M warp
-// instructions, 0.71 issued a scheduler cycle, for 27 MB of DRAM traffic), much of it address
-// arithmetic and bounds tests on run-time sizes: kWhole (the usual layout: the whole head rotated
-// by halves, head_dim 64 PPL, so that every lane's pairs are whole and rotated) makes the pair
-// count, the rotated half and the element offsets compile-time constants: 25.8 µs, 16.3M.
-template <int PPL, int T, bool kWhole>
+// latencies (qk_group below). This form serves every layout; the usual one (the whole head
+// rotated by halves, head_dim 64 x PPL) takes qkv_whole_kernel below.
+template <int PPL, int T>
 __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const uint16_t* __restrict__ qkv,
                                                              QkvParams p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -247,8 +282,8 @@ __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const uint16_t* __r
   const bool real = head < p.q_heads + 2 * p.kv_heads;
   const int kind = head < p.q_heads ? 0 : (head < p.q_heads + p.kv_heads ? 1 : 2);  // q, k, v
   const int h = kind == 0 ? head : (kind == 1 ? head - p.q_heads : head - p.q_heads - p.kv_heads);
-  const int hd = kWhole ? 64 * PPL : p.head_dim, pairs = hd / 2, rh = kWhole ? pairs : p.rot_dim / 2;
-  const bool rope_half = kWhole || p.rope_half;
+  const int hd = p.head_dim, pairs = hd / 2, rh = p.rot_dim / 2;
+  const bool rope_half = p.rope_half;
   const bool normed = p.qk_norm != 0 && kind != 2;
   const float* w = kind == 0 ? p.q_norm : p.k_norm;
   if (normed && p.qk_norm == 2) w += static_cast<size_t>(h) * hd;
@@ -258,14 +293,7 @@ __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const uint16_t* __r
   // constant over the forward) and the rotation's sines and cosines.
   const int t0 = blockIdx.x * T, n = min(T, p.tokens - t0);
   __shared__ float rot_sin[T][kQkvMaxHeadDim / 2], rot_cos[T][kQkvMaxHeadDim / 2];
-  for (int i = threadIdx.x; i < n * rh; i += blockDim.x) {
-    const int u = i / rh, q = i % rh;
-    const float pos = p.positions ? static_cast<float>(p.positions[t0 + u]) : 0.0f;
-    float sn, cs;
-    sincosf(pos * p.inv_freq[q], &sn, &cs);
-    rot_sin[u][q] = sn * p.rope_scale;
-    rot_cos[u][q] = cs * p.rope_scale;
-  }
+  rotation_table(p, t0, n, rh, kQkvMaxHeadDim / 2, &rot_sin[0][0], &rot_cos[0][0]);
   int slot[T];
 #pragma unroll
   for (int u = 0; u < T; ++u) slot[u] = kind == 0 || u >= n ? 0 : p.slots[t0 + u];
@@ -290,25 +318,7 @@ __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const uint16_t* __r
   __shared__ float red[32];
   __shared__ float full_inv[T][2];
   const int width = (p.q_heads + 2 * p.kv_heads) * hd;
-  if (p.qk_norm == 2) {
-    // Full-width norm: every block of a token needs both sums; recomputing them per block is
-    // cheaper than another launch at decode sizes.
-    const int qw = p.q_heads * hd, kw = p.kv_heads * hd;
-    for (int u = 0; u < n; ++u) {
-      const uint16_t* row = qkv + static_cast<size_t>(t0 + u) * width;
-      float sq = 0.0f, sk = 0.0f;
-      for (int i = threadIdx.x; i < qw + kw; i += blockDim.x) {
-        float v = bf(row[i]) + (p.bias ? p.bias[i] : 0.0f);
-        (i < qw ? sq : sk) += v * v;
-      }
-      sq = block_sum(sq, red);
-      sk = block_sum(sk, red);
-      if (threadIdx.x == 0) {
-        full_inv[u][0] = 1.0f / sqrtf(sq / static_cast<float>(qw) + p.eps);
-        full_inv[u][1] = 1.0f / sqrtf(sk / static_cast<float>(kw) + p.eps);
-      }
-    }
-  }
+  if (p.qk_norm == 2) full_width_inverses(qkv, p, hd, t0, n, red, full_inv);
   __syncthreads();  // the sines and cosines, and full_inv
   if (!real) return;
   const float* bias = p.bias ? p.bias + static_cast<size_t>(head) * hd : nullptr;
@@ -379,6 +389,149 @@ __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const uint16_t* __r
   }
 }
 
+// The usual layout (the whole head rotated by halves, head_dim = 64 x PPL: Qwen3-MoE, Mixtral,
+// OLMoE, Qwen2-MoE) two heads a warp: the 16 lanes of a half-warp hold one head, lane l the
+// 2 PPL consecutive features from l x 2 PPL of each half, which a rotated pair never leaves
+// (feature i pairs with i + head_dim / 2). The loads and stores are 4, 8 or 16 bytes wide, the
+// sines and cosines one shared-memory vector a half, and the norm's sum takes four shuffles. Sizes
+// are compile-time constants. Against one head a warp with 2-byte accesses (qkv_kernel in this
+// layout), ncu in the 2048-token prefill of qwen3-30b-a3b on an H200: 23.3-24.9 -> 16.7-19.1 µs a
+// layer, 16.3M -> 10.6M warp instructions (docs/perf/qkv-two-heads-a-warp.md).
+// Needs qkv 4 x PPL-byte aligned (the caller checks); the halves of a warp shuffle together, so a
+// half past the last head runs the arithmetic on zeros and stores nothing.
+template <int PPL>
+struct BfVec;  // kE = 2 PPL bf16 as one load
+template <>
+struct BfVec<1> { using type = uint32_t; };
+template <>
+struct BfVec<2> { using type = uint2; };
+template <>
+struct BfVec<4> { using type = uint4; };
+
+template <int PPL>
+__device__ __forceinline__ void unpack_bf(const typename BfVec<PPL>::type& v, float* f) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(&v);
+#pragma unroll
+  for (int i = 0; i < PPL; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+template <int PPL>
+__device__ __forceinline__ typename BfVec<PPL>::type pack_bf(const float* f) {
+  typename BfVec<PPL>::type v;
+  uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+  for (int i = 0; i < PPL; ++i) w[i] = pack2(f[2 * i], f[2 * i + 1]);
+  return v;
+}
+
+template <int PPL, int T>
+__global__ void __launch_bounds__(kQkvWarps * 32) qkv_whole_kernel(const uint16_t* __restrict__ qkv,
+                                                                   QkvParams p) {
+  using Vec = typename BfVec<PPL>::type;
+  constexpr int kHd = 64 * PPL, kRh = kHd / 2, kE = 2 * PPL;  // kE features a lane in each half
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = (lane & 15) * kE;
+  const int heads = p.q_heads + 2 * p.kv_heads;
+  const int head = (blockIdx.y * kQkvWarps + warp) * 2 + (lane >> 4);
+  const bool real = head < heads;
+  const int kind = head < p.q_heads ? 0 : (head < p.q_heads + p.kv_heads ? 1 : 2);  // q, k, v
+  const int h = kind == 0 ? head : (kind == 1 ? head - p.q_heads : head - p.q_heads - p.kv_heads);
+  const bool normed = p.qk_norm != 0 && kind != 2;
+  const float* w = kind == 0 ? p.q_norm : p.k_norm;
+  if (normed && p.qk_norm == 2) w += static_cast<size_t>(h) * kHd;
+
+  // Before the wait (pdl.h): the norm scales, the tokens' slots, the sines and cosines.
+  const int t0 = blockIdx.x * T, n = min(T, p.tokens - t0);
+  __shared__ __align__(16) float rot_sin[T][kRh];
+  __shared__ __align__(16) float rot_cos[T][kRh];
+  rotation_table(p, t0, n, kRh, kRh, &rot_sin[0][0], &rot_cos[0][0]);
+  int slot[T];
+#pragma unroll
+  for (int u = 0; u < T; ++u) slot[u] = kind == 0 || u >= n || !real ? 0 : p.slots[t0 + u];
+  float w0[kE], w1[kE];
+#pragma unroll
+  for (int j = 0; j < kE; ++j) {
+    w0[j] = real && normed ? w[c0 + j] : 1.0f;
+    w1[j] = real && normed ? w[kRh + c0 + j] : 1.0f;
+  }
+  wait_for_predecessor();
+  allow_dependents();
+  __shared__ float red[32];
+  __shared__ float full_inv[T][2];
+  const int width = heads * kHd;
+  if (p.qk_norm == 2) full_width_inverses(qkv, p, kHd, t0, n, red, full_inv);
+  __syncthreads();  // the sines and cosines, and full_inv
+  const float* bias = p.bias && real ? p.bias + static_cast<size_t>(head) * kHd : nullptr;
+
+  float a[T][kE], b[T][kE];
+#pragma unroll
+  for (int u = 0; u < T; ++u) {
+    const bool in = real && u < n;
+    const uint16_t* src = qkv + static_cast<size_t>(t0 + (in ? u : 0)) * width +
+                          static_cast<size_t>(in ? head : 0) * kHd + c0;
+    Vec va{}, vb{};
+    if (in) {
+      va = *reinterpret_cast<const Vec*>(src);
+      vb = *reinterpret_cast<const Vec*>(src + kRh);
+    }
+    unpack_bf<PPL>(va, a[u]);
+    unpack_bf<PPL>(vb, b[u]);
+  }
+#pragma unroll
+  for (int u = 0; u < T; ++u) {
+    if (u >= n) break;
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kE; ++j) {
+      if (bias) {
+        a[u][j] += bias[c0 + j];
+        b[u][j] += bias[kRh + c0 + j];
+      }
+      ss += a[u][j] * a[u][j] + b[u][j] * b[u][j];
+    }
+    float inv = 1.0f;
+    if (p.qk_norm == 1) {
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (normed) inv = 1.0f / sqrtf(ss / static_cast<float>(kHd) + p.eps);
+    } else if (normed) {
+      inv = full_inv[u][kind];
+    }
+    const bool store = real && (kind == 0 || slot[u] >= 0);  // a negative slot: padding
+    if (!store) continue;
+    const int t = t0 + u;
+    uint16_t* dst = kind == 0 ? p.q_out + (static_cast<size_t>(t) * p.q_heads + h) * kHd
+                              : (kind == 1 ? p.k_cache : p.v_cache) +
+                                    (static_cast<size_t>(slot[u]) * p.kv_heads + h) * kHd;
+    float x0[kE], x1[kE];
+#pragma unroll
+    for (int j = 0; j < kE; ++j) {
+      x0[j] = a[u][j];
+      x1[j] = b[u][j];
+      if (normed) {
+        x0[j] = w0[j] * (x0[j] * inv);
+        x1[j] = w1[j] * (x1[j] * inv);
+      }
+      if (p.clip > 0.0f) {
+        x0[j] = fminf(fmaxf(x0[j], -p.clip), p.clip);
+        x1[j] = fminf(fmaxf(x1[j], -p.clip), p.clip);
+      }
+    }
+    if (kind != 2) {
+#pragma unroll
+      for (int j = 0; j < kE; ++j) {
+        const float sn = rot_sin[u][c0 + j], c = rot_cos[u][c0 + j];
+        const float r0 = x0[j] * c - x1[j] * sn, r1 = x1[j] * c + x0[j] * sn;
+        x0[j] = r0;
+        x1[j] = r1;
+      }
+    }
+    *reinterpret_cast<Vec*>(dst + c0) = pack_bf<PPL>(x0);
+    *reinterpret_cast<Vec*>(dst + kRh + c0) = pack_bf<PPL>(x1);
+  }
+}
+
 // Tokens a block takes: four from kQkvGroupFrom tokens (prefill chunks; the grid still runs four
 // or more waves of blocks at 1024), one below (decode steps, one block a token as before). H100,
 // 2048-token prefill of qwen3-30b-a3b, 48 layers: 1.98 -> 1.74 ms (FP8), 1.99 -> 1.80 ms (bf16);
@@ -386,17 +539,18 @@ __global__ void __launch_bounds__(kQkvWarps * 32) qkv_kernel(const uint16_t* __r
 constexpr int kQkvGroupFrom = 1024;
 int qk_group(int tokens) { return tokens >= kQkvGroupFrom ? 4 : 1; }
 
-template <int PPL, bool kWhole>
-void launch_qkv_grouped(int group, dim3 grid, cudaStream_t stream, const uint16_t* qkv, const QkvParams& p) {
-  if (group == 4) launch_dependent(qkv_kernel<PPL, 4, kWhole>, grid, kQkvWarps * 32, 0, stream, qkv, p);
-  else launch_dependent(qkv_kernel<PPL, 1, kWhole>, grid, kQkvWarps * 32, 0, stream, qkv, p);
-}
-
 template <int PPL>
 void launch_qkv(int group, dim3 grid, cudaStream_t stream, const uint16_t* qkv, const QkvParams& p) {
-  const bool whole = p.rope_half && p.rot_dim == p.head_dim && p.head_dim == 64 * PPL;
-  if (whole) launch_qkv_grouped<PPL, true>(group, grid, stream, qkv, p);
-  else launch_qkv_grouped<PPL, false>(group, grid, stream, qkv, p);
+  if (group == 4) launch_dependent(qkv_kernel<PPL, 4>, grid, kQkvWarps * 32, 0, stream, qkv, p);
+  else launch_dependent(qkv_kernel<PPL, 1>, grid, kQkvWarps * 32, 0, stream, qkv, p);
+}
+
+// The usual layout (qkv_whole_kernel): two heads a warp, so half the warps of qkv_kernel's grid.
+template <int PPL>
+void launch_qkv_whole(int group, int heads, cudaStream_t stream, const uint16_t* qkv, const QkvParams& p) {
+  const dim3 grid((p.tokens + group - 1) / group, (heads + 2 * kQkvWarps - 1) / (2 * kQkvWarps));
+  if (group == 4) launch_dependent(qkv_whole_kernel<PPL, 4>, grid, kQkvWarps * 32, 0, stream, qkv, p);
+  else launch_dependent(qkv_whole_kernel<PPL, 1>, grid, kQkvWarps * 32, 0, stream, qkv, p);
 }
 
 }  // namespace
@@ -454,6 +608,18 @@ cudaError_t prepare_qkv(const uint16_t* qkv, const QkvParams& p, cudaStream_t st
     return cudaErrorInvalidValue;
   if (p.tokens == 0) return cudaGetLastError();
   const int heads = p.q_heads + 2 * p.kv_heads, group = qk_group(p.tokens);
+  // The usual layout two heads a warp wherever its vector accesses (4 x PPL bytes) are aligned,
+  // as the engine's buffers always are.
+  const bool usual = p.rope_half && p.rot_dim == p.head_dim &&
+                     (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256);
+  const uintptr_t addresses = reinterpret_cast<uintptr_t>(qkv) | reinterpret_cast<uintptr_t>(p.q_out) |
+                              reinterpret_cast<uintptr_t>(p.k_cache) | reinterpret_cast<uintptr_t>(p.v_cache);
+  if (usual && addresses % (2 * p.head_dim / 32) == 0) {
+    if (p.head_dim == 64) launch_qkv_whole<1>(group, heads, stream, qkv, p);
+    else if (p.head_dim == 128) launch_qkv_whole<2>(group, heads, stream, qkv, p);
+    else launch_qkv_whole<4>(group, heads, stream, qkv, p);
+    return cudaGetLastError();
+  }
   const dim3 grid((p.tokens + group - 1) / group, (heads + kQkvWarps - 1) / kQkvWarps);
   const int pairs_per_lane = (p.head_dim / 2 + 31) / 32;
   if (pairs_per_lane <= 1) launch_qkv<1>(group, grid, stream, qkv, p);
