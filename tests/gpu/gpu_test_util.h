@@ -30,6 +30,18 @@ inline bool have_gpu() {
 #define REQUIRE_GPU() \
   if (!::moe::gputest::have_gpu()) GTEST_SKIP() << "no CUDA device: GPU test skipped"
 
+// Compute capability 9.0: the sm_90a kernels (wgmma, TMA) are built for it and run.
+inline bool device_is_sm90() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return major == 9 && minor == 0;
+}
+
 inline int gpu_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

@@ -128,13 +128,7 @@ struct Checked {
 };
 
 // The Hopper path's code is sm_90a: it runs on compute capability 9.0 only.
-bool device_is_sm90() {
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  return major == 9 && minor == 0;
-}
+using gputest::device_is_sm90;
 
 // Relative Frobenius error of the GPU experts on FP8 weights against run_experts on their
 // values, over up to 64 rows spread across the tokens (every row checked for poison).

@@ -31,13 +31,7 @@ using gputest::DeviceBuffer;
 constexpr double kBound = 1e-2;
 
 // The wgmma path's code is sm_90a: it runs on compute capability 9.0 only.
-bool device_is_sm90() {
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) != cudaSuccess)
-    return false;
-  return major == 9 && minor == 0;
-}
+using gputest::device_is_sm90;
 
 // k distinct experts per token, ascending (the router's contract), drawn with weight
 // skew^e so that loads are ragged and, for skew < 1, the last experts get few or no tokens.

@@ -1,6 +1,7 @@
 // The asynchronous machinery of sm_90a as thin PTX wrappers, for kernels that run a pipeline of
 // TMA loads, cp.async gathers and wgmma products through shared memory (moe_wgmma_gemm.cu,
-// attention_wgmma.cu): cp.async, mbarriers, the generic-to-async proxy fence, 2-D TMA loads,
+// attention_wgmma.cu, gemm_fp8_w8a8.cu): cp.async, mbarriers, the cluster barrier and
+// distributed shared-memory loads, the generic-to-async proxy fence, 2-D TMA loads,
 // setmaxnreg, wgmma with its fence, commit and wait (A from shared memory or from registers), and
 // the descriptors of 128-byte-swizzled K-major and MN-major operands. Kept
 // apart from the kernels so that a kernel file reads as its pipeline and each instruction's
@@ -57,6 +58,26 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "r"(bar), "r"(parity)
         : "memory");
   } while (!done);
+}
+
+// Every thread of every block of the cluster arrives, then waits for all (release / acquire: the
+// shared-memory writes before it are visible to the cluster's reads after it).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// The address of this shared-memory location in block `rank` of the cluster.
+__device__ __forceinline__ uint32_t map_cluster(uint32_t addr, int rank) {
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
+  return out;
+}
+__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
 }
 
 // Generic-proxy writes (cp.async) made visible to the async proxy (wgmma operand reads).

@@ -43,7 +43,7 @@ void project(Blas& blas, const void* x, const DeviceMatrix& w, void* y, OutType 
                                           static_cast<int>(ldy ? ldy : w.rows), stream));
     return;
   }
-  // More: W8A8, x quantised per row and 128 columns, on cuBLASLt's block-scaled GEMM (fp8_input_room).
+  // More: W8A8, x quantised per row and 128 columns (fp8_input_room), through Blas::linear_fp8_blocks.
   const Fp8Input in = fp8_input_room(blas, w, y, out, m, ldy);
   if (in.rows > 0) {
     MOE_CUDA_CHECK(kernels::quantize_rows_fp8_by_block(x, static_cast<int>(in.rows), static_cast<int>(w.cols),
@@ -60,8 +60,8 @@ void project(Blas& blas, const void* x, const DeviceMatrix& w, void* y, OutType 
 }
 
 Fp8Input fp8_input_room(Blas& blas, const DeviceMatrix& w, const void* y, OutType out, int64_t m, int64_t ldy) {
-  // W8A8 where the codes are not read directly, on cuBLASLt's block-scaled GEMM, which takes row
-  // counts that are multiples of 4 (blas.h); the last one to three rows go through the GEMV (the
+  // W8A8 where the codes are not read directly (Blas::linear_fp8_blocks), which takes row counts
+  // that are multiples of 4 (blas.h); the last one to three rows go through the GEMV (the
   // weights are then in L2). This is the numerics of the engines these checkpoints are deployed
   // on (activations rounded to E4M3 per 128 values), not the CPU reference's.
   if (w.count != 1 || !(w.format == kFp8Blocks) || fp8_direct(m, w.cols) || w.format.block_rows != 128 ||

@@ -1,8 +1,9 @@
 // Dense projections by weight format: the one place a projection's kernel is chosen from its
 // weight's format (backend/device_matrix.h). bf16 weights run through Blas (the weight-streaming
 // GEMV for a few rows, cuBLASLt otherwise); FP8 blocks read as codes up to 32 rows (the same GEMV
-// for 1-2 rows, a tensor-core kernel from 3), else W8A8 on cuBLASLt's block-scaled GEMM (x
-// quantised into Blas's reserved room), or, for shapes it does not take, widened to bf16 into
+// for 1-2 rows, a tensor-core kernel from 3), else W8A8 through Blas::linear_fp8_blocks (our
+// wgmma kernel up to 256 rows, cuBLASLt's block-scaled GEMM past them; x quantised into Blas's
+// reserved room), or, for shapes it does not take, widened to bf16 into
 // Blas's reserved room first; a format without kernels is refused with one line naming it. A new
 // format adds its case here and its kernels, not a new signature for callers.
 #pragma once

@@ -27,8 +27,7 @@
 // launch of both GEMMs for one row tile (run_tile, moe_wgmma_gemm.h); the entry sizes the forward
 // and runs the plan and the combine around them, the sm_90a instructions the pipeline is made of
 // are in sm90_async.cuh, and the epilogue's per-fragment pieces in wgmma_epilogue.cuh. Only CUDA headers and plain launch headers.
-#include <cuda.h>  // CUtensorMap and its enums only: the encoder comes through the runtime
-#include <cudaTypedefs.h>
+#include <cuda.h>  // CUtensorMap only: tensor_map.h encodes it
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -39,6 +38,7 @@
 #include "backend/cuda/moe/moe_wgmma_gemm.h"
 #include "backend/cuda/pdl.h"
 #include "backend/cuda/sm90_async.cuh"
+#include "backend/cuda/tensor_map.h"
 #include "backend/cuda/moe/wgmma_epilogue.cuh"
 #include "backend/cuda/ops/fp8_blocks_launch.h"
 
@@ -581,38 +581,6 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
 #endif
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) !=
-            cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      p = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
-// bf16 or FP8 codes [rows, k] row-major, boxes of 128 bytes (k) x box_rows, 128-byte swizzle.
-// Boxes past the last row read zeros.
-cudaError_t weight_map(CUtensorMap* map, const void* w, uint64_t rows, uint64_t k, uint32_t box_rows, bool fp8) {
-  const auto encode = tensor_map_encoder();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const uint64_t elem_bytes = fp8 ? 1 : 2;
-  const cuuint64_t dims[2] = {k, rows};
-  const cuuint64_t strides[1] = {k * elem_bytes};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / elem_bytes), box_rows};
-  const cuuint32_t elem[2] = {1, 1};
-  const CUtensorMapDataType type = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  const CUresult r = encode(map, type, 2, const_cast<void*>(w), dims, strides, box,
-                            elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
 // FP8 (kFp8): x is b.x_fp8 with b.x_scales, already quantised (launch_prefill_wgmma); act is
 // quantised into b.act_fp8 and b.act_scales (its routed rows only) by gate_up's epilogue
 // (kQuantisesAct) or else between the two GEMMs.
@@ -622,9 +590,9 @@ cudaError_t run_gemms(const ExpertBuffers& b, const void* x, const float* weight
   using R = RingOf<BM, BN, kMixed, kFp8>;
   CUtensorMap gate_up_map, down_map;
   cudaError_t err =
-      weight_map(&gate_up_map, b.gate_up, uint64_t(b.experts) * 2 * b.inter, b.hidden, R::kBoxRows, kFp8);
+      kmajor_tile_map(&gate_up_map, b.gate_up, uint64_t(b.experts) * 2 * b.inter, b.hidden, R::kBoxRows, kFp8);
   if (err == cudaSuccess)
-    err = weight_map(&down_map, b.down, uint64_t(b.experts) * b.hidden, b.inter, R::kBoxRows, kFp8);
+    err = kmajor_tile_map(&down_map, b.down, uint64_t(b.experts) * b.hidden, b.inter, R::kBoxRows, kFp8);
   if (err != cudaSuccess) return err;
   auto* gate_up = wgmma_gemm_kernel<BM, BN, true, kMixed, kFp8>;
   auto* down = wgmma_gemm_kernel<BM, BN, false, kMixed, kFp8>;

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/ops/gemm_fp8_w8a8_launch.h"
 #include "backend/cuda/ops/gemv_launch.h"
 
 #define MOE_CUBLAS_CHECK(expr)                                                               \
@@ -38,6 +39,12 @@ void destroy(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMatrixLa
 Blas::Blas(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
   MOE_CUBLAS_CHECK(cublasLtCreate(&handle_));
   MOE_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+  int device = 0, major = 0, minor = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  sm90a_ = major == 9 && minor == 0;
 }
 
 Blas::~Blas() {
@@ -196,13 +203,31 @@ const Blas::Plan* Blas::fp8_blocks_plan(const void* x, const float* x_scales, co
   return plan(key);
 }
 
+bool Blas::runs_w8a8_rows(const void* x, const float* x_scales, const void* w, const float* w_scales, int64_t m,
+                          int64_t n, int64_t k) const {
+  // The same contract as cuBLASLt's form below (row and block multiples, 16-byte aligned scales),
+  // so that what runs does not depend on the device.
+  const auto a16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (!sm90a_ || m < 1 || m > kernels::kW8a8RowsMax || m % kFp8BlockRowMultiple != 0 || n < 1 ||
+      k % (128 * kFp8BlockColumnMultiple) != 0 || !x_scales || !w_scales || !a16(x) || !a16(w) ||
+      !a16(x_scales) || !a16(w_scales))
+    return false;
+  return true;
+}
+
 bool Blas::runs_fp8_blocks(const void* x, const float* x_scales, const void* w, const float* w_scales, const void* y,
                            OutType out, int64_t m, int64_t n, int64_t k, int64_t ldy) {
-  return fp8_blocks_plan(x, x_scales, w, w_scales, y, out, m, n, k, ldy) != nullptr;
+  return runs_w8a8_rows(x, x_scales, w, w_scales, m, n, k) ||
+         fp8_blocks_plan(x, x_scales, w, w_scales, y, out, m, n, k, ldy) != nullptr;
 }
 
 bool Blas::linear_fp8_blocks(const void* x, const float* x_scales, const void* w, const float* w_scales, void* y,
                              OutType out, int64_t m, int64_t n, int64_t k, cudaStream_t stream, int64_t ldy) {
+  if (runs_w8a8_rows(x, x_scales, w, w_scales, m, n, k)) {
+    MOE_CUDA_CHECK(kernels::gemm_fp8_w8a8_rows(x, x_scales, m, w, w_scales, y, out == OutType::kF32, m, n, k,
+                                               ldy == 0 ? n : ldy, sms_, stream));
+    return true;
+  }
   const Plan* p = fp8_blocks_plan(x, x_scales, w, w_scales, y, out, m, n, k, ldy);
   if (!p) return false;
   MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scales,

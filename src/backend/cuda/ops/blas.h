@@ -43,8 +43,10 @@ class Blas {
   // W8A8: y[m, n] = Σ_k x[m, k] · w[n, k] where x is E4M3 codes with one f32 scale per row and
   // 128 columns, block-major (x_scales [k / 128, m]: quantize_rows_fp8_by_block), and w E4M3
   // codes with one f32 scale per 128 x 128 block (the checkpoint's layout: w_scales
-  // [ceil(n / 128), k / 128], 16-byte aligned). cuBLASLt's block-scaled FP8 GEMM (sm_90 and
-  // later), f32 accumulation. It runs where m is a multiple of kFp8BlockRowMultiple and k one of
+  // [ceil(n / 128), k / 128], 16-byte aligned), f32 accumulation. Up to kW8a8RowsMax rows on a
+  // device of compute capability 9.0 our own wgmma kernel (gemm_fp8_w8a8_launch.h), where
+  // cuBLASLt costs as much as at 256 rows; otherwise cuBLASLt's block-scaled FP8 GEMM (sm_90 and
+  // later). cuBLASLt runs where m is a multiple of kFp8BlockRowMultiple and k one of
   // 128 * kFp8BlockColumnMultiple; false, with nothing launched, elsewhere and where cuBLASLt has
   // no algorithm for the shape on this device. Measured on an H100 with cuBLASLt 13.1: no
   // algorithm for m = 9, 10, 13, 17 (12, 16, 20, 24, 40 ran); with k / 128 = 1 and four block
@@ -92,7 +94,13 @@ class Blas {
   const Plan* fp8_blocks_plan(const void* x, const float* x_scales, const void* w, const float* w_scales, const void* y,
                               OutType out, int64_t m, int64_t n, int64_t k, int64_t ldy);
 
+  // Whether gemm_fp8_w8a8_rows takes these arguments.
+  bool runs_w8a8_rows(const void* x, const float* x_scales, const void* w, const float* w_scales, int64_t m,
+                      int64_t n, int64_t k) const;
+
   cublasLtHandle_t handle_ = nullptr;
+  int sms_ = 0;         // the device's multiprocessors
+  bool sm90a_ = false;  // compute capability 9.0: our wgmma kernels run
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   uint16_t* widened_ = nullptr;
