@@ -188,9 +188,10 @@ __global__ void __launch_bounds__(kThreads) w8a8_rows_kernel(const __grid_consta
 // Split until the blocks reach the multiprocessors, at least two k blocks a piece. Spreading the
 // work more evenly instead (the blocks a multiprocessor runs in turn times their k blocks, plus one
 // for each block's start and cluster sums; qwen3's qkv projection at 64 rows then split 3 ways
-// instead of 4, 120 blocks instead of 160) measured slower on an H200: batch-64 decode 6,069 ->
-// 6,011 tokens/s, batch 128 11,197 -> 10,868 (docs/perf/fp8-dense-w8a8-rows.md). More blocks in
-// flight, not even work, is what these latency-bound calls need.
+// instead of 4, 120 blocks instead of 160) measured slower on an H200, each against the build
+// without this kernel on its own lease: batch-64 decode +3.5% -> +2.4%, batch 128 +1.4% -> -1.1%
+// (docs/perf/fp8-dense-w8a8-rows.md). More blocks in flight, not even work, is what these
+// latency-bound calls need.
 int w8a8_rows_splits(int64_t m, int64_t n, int64_t k, int sms) {
   const int64_t tiles = ((n + kTileN - 1) / kTileN) * ((m + kTileM - 1) / kTileM);
   if (tiles >= sms || sms <= 0) return 1;
