@@ -208,11 +208,9 @@ bool Blas::runs_w8a8_rows(const void* x, const float* x_scales, const void* w, c
   // The same contract as cuBLASLt's form below (row and block multiples, 16-byte aligned scales),
   // so that what runs does not depend on the device.
   const auto a16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (!sm90a_ || m < 1 || m > kernels::kW8a8RowsMax || m % kFp8BlockRowMultiple != 0 || n < 1 ||
-      k % (128 * kFp8BlockColumnMultiple) != 0 || !x_scales || !w_scales || !a16(x) || !a16(w) ||
-      !a16(x_scales) || !a16(w_scales))
-    return false;
-  return true;
+  return sm90a_ && m >= 1 && m <= kernels::kW8a8RowsMax && m % kFp8BlockRowMultiple == 0 && n >= 1 &&
+         k % (128 * kFp8BlockColumnMultiple) == 0 && x_scales && w_scales && a16(x) && a16(w) && a16(x_scales) &&
+         a16(w_scales);
 }
 
 bool Blas::runs_fp8_blocks(const void* x, const float* x_scales, const void* w, const float* w_scales, const void* y,
