@@ -175,6 +175,29 @@ TEST(CudaFp8W8a8Rows, MatchesTheQuantisedProduct) {
   }
 }
 
+// More k blocks a block than the ring has stages (its stages and the scales asked ahead of them
+// wrap around), with and without a split: a multiprocessor count passed small keeps the whole k
+// in one block (10 k blocks) or two pieces of 5.
+TEST(CudaFp8W8a8Rows, StepsPastTheRing) {
+  REQUIRE_GPU();
+  if (!gputest::device_is_sm90()) GTEST_SKIP() << "not a compute capability 9.0 device: the wgmma W8A8 rows kernel is not built for it";
+  std::mt19937 rng(24);
+  const Weights w(300, 1280, rng);
+  for (int64_t m : {4, 100}) {
+    const Input x(m, w.k, rng);
+    const auto want = product(x, w);
+    const int tiles = 3 * static_cast<int>((m + 63) / 64);
+    for (int sms : {1, 2 * tiles}) {
+      const int splits = cuda::kernels::w8a8_rows_splits(m, w.n, w.k, sms);
+      ASSERT_EQ(splits, sms == 1 ? 1 : 2) << "m=" << m;
+      const auto y = run_direct(x, w, true, w.n, sms);
+      int touched = 0;
+      EXPECT_LE(error_against(y, w.n, want, m, w.n, &touched), 1e-3) << "m=" << m << " splits=" << splits;
+      EXPECT_EQ(touched, 0);
+    }
+  }
+}
+
 TEST(CudaFp8W8a8Rows, SplitSumsDoNotDependOnTiming) {
   REQUIRE_GPU();
   if (!gputest::device_is_sm90()) GTEST_SKIP() << "not a compute capability 9.0 device: the wgmma W8A8 rows kernel is not built for it";

@@ -34,7 +34,6 @@ constexpr int kABytes = kTileM * 128, kBBytes = kTileN * 128, kStageBytes = kABy
 constexpr int kConsumerWarps = 4, kThreads = (kConsumerWarps + 1) * 32;
 constexpr int kSmem = kStages * kStageBytes + 1024;  // the ring, and room to align it to 1024 bytes
 constexpr int kMaxSplits = 8;  // the pieces of a tile are one cluster: at most 8 blocks (portable)
-constexpr int kPitch = kTileN + 4;  // floats between the rows of a piece's sums in shared memory
 
 __global__ void __launch_bounds__(kThreads) w8a8_rows_kernel(const __grid_constant__ CUtensorMap xmap,
                                                              const __grid_constant__ CUtensorMap wmap,
@@ -150,6 +149,7 @@ __global__ void __launch_bounds__(kThreads) w8a8_rows_kernel(const __grid_consta
     return;
   }
 
+  constexpr int kPitch = kTileN + 4;  // floats between the rows of a piece's sums in shared memory
   // This piece's sums into its ring (every stage consumed: the TMA writes have landed, and the
   // named barrier waits for the last products of the other consumer warps), then each piece adds
   // rows [r0, r1) of the tile over the pieces, in split order.
