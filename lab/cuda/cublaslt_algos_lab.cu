@@ -26,16 +26,10 @@
 #include <random>
 #include <vector>
 
+#include "lab_timing.cuh"  // CHECK
+
 namespace {
 
-#define CHECK_CUDA(x)                                                                   \
-  do {                                                                                  \
-    cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
 #define CHECK_LT(x)                                                                           \
   do {                                                                                        \
     cublasStatus_t s_ = (x);                                                                  \
@@ -80,20 +74,20 @@ void run(cublasLtHandle_t handle, const Shape& s, bool fp8, void* workspace) {
   }
   void *w = nullptr, *x = nullptr, *y = nullptr;
   float *w_scales = nullptr, *x_scales = nullptr;
-  CHECK_CUDA(cudaMalloc(&w, w_host.size()));
-  CHECK_CUDA(cudaMalloc(&x, x_host.size()));
-  CHECK_CUDA(cudaMalloc(&y, static_cast<size_t>(s.m) * s.n * 2));
-  CHECK_CUDA(cudaMemcpy(w, w_host.data(), w_host.size(), cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(x, x_host.data(), x_host.size(), cudaMemcpyHostToDevice));
+  CHECK(cudaMalloc(&w, w_host.size()));
+  CHECK(cudaMalloc(&x, x_host.size()));
+  CHECK(cudaMalloc(&y, static_cast<size_t>(s.m) * s.n * 2));
+  CHECK(cudaMemcpy(w, w_host.data(), w_host.size(), cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(x, x_host.data(), x_host.size(), cudaMemcpyHostToDevice));
   const size_t w_blocks = static_cast<size_t>((s.n + 127) / 128) * ((s.k + 127) / 128);
   const size_t x_blocks = static_cast<size_t>(s.m) * ((s.k + 127) / 128);
   std::vector<float> ws(w_blocks * kCopies), xs(x_blocks);
   for (auto& v : ws) v = std::ldexp(1.0f, -8) * (1.0f + (rng() % 8) / 8.0f);
   for (auto& v : xs) v = std::ldexp(1.0f, -8) * (1.0f + (rng() % 8) / 8.0f);
-  CHECK_CUDA(cudaMalloc(&w_scales, ws.size() * 4));
-  CHECK_CUDA(cudaMalloc(&x_scales, xs.size() * 4));
-  CHECK_CUDA(cudaMemcpy(w_scales, ws.data(), ws.size() * 4, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(x_scales, xs.data(), xs.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMalloc(&w_scales, ws.size() * 4));
+  CHECK(cudaMalloc(&x_scales, xs.size() * 4));
+  CHECK(cudaMemcpy(w_scales, ws.data(), ws.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(x_scales, xs.data(), xs.size() * 4, cudaMemcpyHostToDevice));
 
   // Column-major, as blas.cpp: yᵀ[n, m] = w[n, k] · xᵀ[k, m], A = w ([k, n] used transposed).
   cublasLtMatmulDesc_t op;
@@ -122,8 +116,8 @@ void run(cublasLtHandle_t handle, const Shape& s, bool fp8, void* workspace) {
   CHECK_LT(cublasLtMatmulAlgoGetHeuristic(handle, op, a, b, d, d, pref, 16, results, &found));
 
   cudaEvent_t e0, e1;
-  CHECK_CUDA(cudaEventCreate(&e0));
-  CHECK_CUDA(cudaEventCreate(&e1));
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
   const float alpha = 1.0f, beta = 0.0f;
   std::vector<uint16_t> first(static_cast<size_t>(s.m) * s.n), out(first.size());
   const double flops = 2.0 * s.m * s.n * s.k;
@@ -142,8 +136,8 @@ void run(cublasLtHandle_t handle, const Shape& s, bool fp8, void* workspace) {
       std::printf("  algo %2d: does not run\n", i);
       continue;
     }
-    CHECK_CUDA(cudaDeviceSynchronize());
-    CHECK_CUDA(cudaMemcpy(out.data(), y, out.size() * 2, cudaMemcpyDeviceToHost));
+    CHECK(cudaDeviceSynchronize());
+    CHECK(cudaMemcpy(out.data(), y, out.size() * 2, cudaMemcpyDeviceToHost));
     if (i == 0) first = out;
     double diff = 0.0, top = 0.0;
     for (size_t j = 0; j < out.size(); ++j) {
@@ -152,13 +146,13 @@ void run(cublasLtHandle_t handle, const Shape& s, bool fp8, void* workspace) {
     }
     for (int r = 0; r < 5; ++r)
       for (int c = 0; c < kCopies; ++c) launch(c);
-    CHECK_CUDA(cudaEventRecord(e0));
+    CHECK(cudaEventRecord(e0));
     for (int r = 0; r < 20; ++r)
       for (int c = 0; c < kCopies; ++c) launch(c);
-    CHECK_CUDA(cudaEventRecord(e1));
-    CHECK_CUDA(cudaEventSynchronize(e1));
+    CHECK(cudaEventRecord(e1));
+    CHECK(cudaEventSynchronize(e1));
     float ms = 0.0f;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
     const double us = ms * 1e3 / (20.0 * kCopies);
     int tile = -1, stages = -1, splitk = -1, swizzle = -1, cluster = -1;
     size_t written = 0;
@@ -190,7 +184,7 @@ int main(int argc, char** argv) {
   cublasLtHandle_t handle;
   CHECK_LT(cublasLtCreate(&handle));
   void* workspace = nullptr;
-  CHECK_CUDA(cudaMalloc(&workspace, kWorkspace));
+  CHECK(cudaMalloc(&workspace, kWorkspace));
   // Row counts from the command line (default: a 2048-token prefill chunk and a batch-64 step).
   std::vector<int> rows;
   for (int i = 1; i < argc; ++i) rows.push_back(std::atoi(argv[i]));
