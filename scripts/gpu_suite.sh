@@ -104,9 +104,9 @@ sanitize_each() {
   [ $((clean + skipped)) -eq "$total" ]
 }
 
-GPU_TESTS='Cuda*:*/Cuda*:Nccl*:*PeerAllReduce*'
+GPU_TESTS='Cuda*:*/Cuda*:Nccl*:*PeerAllReduce*:*PeerColumnGather*'
 # The op tests under the sanitizers (the timing tests only print; they are left out).
-OP_SUITES='CudaOps*:CudaFp8*:CudaPlan*:CudaRoute*:CudaNormRoute*:CudaSample*:CudaAttention*:CudaLatent*:CudaMoe*:CudaBlas*:*PeerAllReduce*'
+OP_SUITES='CudaOps*:CudaFp8*:CudaPlan*:CudaRoute*:CudaNormRoute*:CudaSample*:CudaAttention*:CudaLatent*:CudaMoe*:CudaBlas*:*PeerAllReduce*:*PeerColumnGather*'
 OP_TESTS=${SANITIZE_FILTER:-"$OP_SUITES:-*Timing*"}
 # racecheck leaves out two sets, memcheck still covers both:
 # - the one test that runs nothing but cuBLASLt: racecheck reports shared-memory hazards inside

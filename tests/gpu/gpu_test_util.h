@@ -51,6 +51,13 @@ inline int gpu_count() {
   return n;
 }
 
+// GPUs 0 .. n - 1, as the multi-GPU objects take their devices.
+inline std::vector<int> first_devices(int n) {
+  std::vector<int> d;
+  for (int i = 0; i < n; ++i) d.push_back(i);
+  return d;
+}
+
 // Whether GPUs 0..n-1 can all access each other's memory.
 inline bool peers_reachable(int n) {
   for (int a = 0; a < n; ++a)

@@ -46,11 +46,7 @@ int device_count() {
   return n;
 }
 
-std::vector<int> first_devices(int n) {
-  std::vector<int> d;
-  for (int i = 0; i < n; ++i) d.push_back(i);
-  return d;
-}
+using gputest::first_devices;
 
 // The group sizes to test: 2 and, where there are more, all GPUs (at most 8).
 std::vector<int> group_sizes() {

@@ -20,12 +20,7 @@ namespace moe {
 namespace {
 
 using gputest::DeviceBuffer;
-
-std::vector<int> first_devices(int n) {
-  std::vector<int> d;
-  for (int i = 0; i < n; ++i) d.push_back(i);
-  return d;
-}
+using gputest::first_devices;
 
 // partials[r]: rank r's values; the expected bits of every rank's result.
 std::vector<uint16_t> rank_order_sum(const std::vector<std::vector<float>>& partials) {

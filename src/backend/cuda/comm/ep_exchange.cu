@@ -8,12 +8,15 @@
 #include <atomic>
 
 #include "backend/cuda/comm/ep_exchange_launch.h"
+#include "backend/cuda/comm/sys_flags.cuh"
 #include "backend/cuda/pdl.h"
 #include "backend/cuda/moe/slot_sums.cuh"
 
 namespace moe::cuda::kernels {
 
 namespace {
+
+using namespace sys_flags;
 
 constexpr int kPlanThreads = 1024;
 constexpr int kRowThreads = 256;
@@ -29,22 +32,6 @@ __device__ __forceinline__ unsigned owners(const EpRouting& r, int t) {
   unsigned m = 0;
   for (int j = 0; j < r.top_k; ++j) m |= 1u << owner_of(r, __ldg(r.ids + (size_t)t * r.top_k + j));
   return m;
-}
-
-__device__ __forceinline__ unsigned long long load_acquire(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void store_release(unsigned long long* p, unsigned long long v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ unsigned long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
 }
 
 // Exclusive scan over the block of one value per thread; returns the block's total too.

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "backend/cuda/bf16x8.cuh"
+#include "backend/cuda/comm/sys_flags.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/pdl.h"
 #include "backend/cuda/peer_access.h"
@@ -14,6 +15,8 @@
 
 namespace moe::cuda {
 namespace {
+
+using namespace sys_flags;
 
 constexpr int kThreads = 256;
 constexpr int kMaxRanks = PeerAllReduce::kMaxRanks;
@@ -36,22 +39,6 @@ struct Args {
   long long timeout_ns;
   PeerAllReduce::AddNorm norm;  // folded when norm.weight is set
 };
-
-__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void store_release(unsigned* p, unsigned v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ unsigned long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 __device__ __forceinline__ float block_sum(float v, float* red) {
 #pragma unroll

@@ -14,6 +14,7 @@
 #include "backend/cuda/engine/device_model.h"
 #include "backend/cuda/engine/engine_rank.h"
 #include "backend/cuda/comm/peer_allreduce.h"
+#include "backend/cuda/comm/peer_column_gather.h"
 #include "backend/cuda_ep.h"
 #include "dist/nccl_communicator.h"
 #include "core/rank_threads.h"
@@ -32,6 +33,9 @@ struct Engine::State {
   // Sum the ranks' partial outputs (tp, local_allreduce): one over all the GPUs, or under dp
   // with tp > 1 one per attention group.
   std::vector<std::unique_ptr<PeerAllReduce>> allreduces;
+  // The lm_head's logits, each GPU of an attention group of several computing its share of the
+  // vocabulary, gathered on the group's first: one per group.
+  std::vector<std::unique_ptr<PeerColumnGather>> head_gathers;
   // The expert-parallel exchange of the other backends: NCCL endpoints (rank r's at r) or the
   // p2p exchange.
   std::unique_ptr<NcclGroup> nccl;
@@ -58,6 +62,7 @@ struct Engine::State {
     threads.reset();
     for (size_t r = 1; r < ranks.size(); ++r) ranks[r].reset();
     allreduces.clear();
+    head_gathers.clear();
     p2p.reset();
     comms.clear();
     nccl.reset();
@@ -180,6 +185,15 @@ std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions
     const PeerAllReduce* sum = s.allreduces.empty() ? nullptr : s.allreduces[static_cast<size_t>(r / s.group_size)].get();
     s.ranks.push_back(std::make_unique<Rank>(mc, o, r, ranks, sum, link));
   }
+  // Every GPU of a group holds the group's final rows: each computes the logits of its share of
+  // the vocabulary (engine_rank.cpp, Rank::head).
+  if (s.group_size > 1)
+    for (int first = 0; first < ranks; first += s.group_size) {
+      std::vector<int> devices;
+      for (int r = first; r < first + s.group_size; ++r) devices.push_back(o.device + r);
+      s.head_gathers.push_back(std::make_unique<PeerColumnGather>(devices, s.first().logit_rows, mc.vocab_size));
+      for (int r = first; r < first + s.group_size; ++r) s.ranks[static_cast<size_t>(r)]->head_gather = s.head_gathers.back().get();
+    }
   if (ranks > 1) s.threads = std::make_unique<RankThreads>(ranks);
   // Every rank loads its share at once; then the KV cache takes the same number of blocks on
   // each (block ids are shared), as many as the fullest GPU allows.
@@ -537,6 +551,7 @@ std::vector<MemoryReport> Engine::memory_per_gpu() const {
     MemoryReport r;
     x->count_memory(&r);
     if (x->allreduce) r.workspace += x->allreduce->bytes_per_rank();
+    if (x->head_gather) r.workspace += x->head_gather->bytes_per_rank();
     if (s.p2p) r.workspace += s.p2p->bytes_per_rank();
     const BlockAllocator& b = *s.groups[static_cast<size_t>(x->group)].blocks;
     r.kv_blocks = x->kv_blocks;

@@ -280,14 +280,15 @@ void Rank::upload_meta_from(const Rank& written) {
 void Rank::eager_step(int64_t rows, int segments, int64_t real, int64_t context, float* logits_out, bool sample) {
   last_tokens = real;  // the routing log's rows: padding rows take no expert
   run_layers(rows, segments, context);
-  if (reads_out() && real > 0) {
+  if (runs_head() && real > 0) {
     if (logits_out)
       for (int64_t r0 = 0; r0 < real; r0 += logit_rows) {
         const int64_t r = std::min(logit_rows, real - r0);
         head(r0, r, ws.logits, nullptr);
-        MOE_CUDA_CHECK(cudaMemcpyAsync(logits_out + r0 * config.vocab_size, ws.logits,
-                                       static_cast<size_t>(r * config.vocab_size) * 4, cudaMemcpyDeviceToHost,
-                                       stream));
+        if (reads_out())
+          MOE_CUDA_CHECK(cudaMemcpyAsync(logits_out + r0 * config.vocab_size, ws.logits,
+                                         static_cast<size_t>(r * config.vocab_size) * 4, cudaMemcpyDeviceToHost,
+                                         stream));
       }
     if (sample) head(real - 1, 1, ws.logits, ws.sampled);
   }
@@ -308,7 +309,7 @@ void Rank::decode_step(int64_t rows, int bucket, DecodeRun how, int32_t* tokens)
     profiled_step(bucket, logits, sampled);
   } else {
     run_layers(bucket, bucket, opts.max_context);
-    if (reads_out()) head(0, bucket, logits, sampled);
+    if (runs_head()) head(0, bucket, logits, sampled);
   }
   if (reads_out() && rows > 0)
     MOE_CUDA_CHECK(cudaMemcpyAsync(tokens, sampled, static_cast<size_t>(rows) * 4, cudaMemcpyDeviceToHost, stream));
@@ -334,13 +335,13 @@ DecodeGraph& Rank::graph_for(int bucket) {
   host(meta.live_rows)[0] = bucket;  // routed, so that every kernel of the step runs before the capture
   upload_meta();
   run_layers(bucket, bucket, opts.max_context);
-  if (reads_out()) head(0, bucket, g.logits, g.sampled);
+  if (runs_head()) head(0, bucket, g.logits, g.sampled);
   finish_step();
   cudaGraph_t graph = nullptr;
   MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   try {
     run_layers(bucket, bucket, opts.max_context);
-    if (reads_out()) head(0, bucket, g.logits, g.sampled);
+    if (runs_head()) head(0, bucket, g.logits, g.sampled);
   } catch (...) {
     cudaStreamEndCapture(stream, &graph);
     if (graph) cudaGraphDestroy(graph);
@@ -364,7 +365,7 @@ void Rank::profiled_step(int bucket, float* logits, int32_t* sampled) {
       profiling = pass == 1 && rank == 0;
       mark_names.clear();
       run_layers(bucket, bucket, opts.max_context);
-      if (reads_out()) head(0, bucket, logits, sampled);
+      if (runs_head()) head(0, bucket, logits, sampled);
       profiling = false;
       MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     }
@@ -375,7 +376,7 @@ void Rank::profiled_step(int bucket, float* logits, int32_t* sampled) {
   profiling = rank == 0;
   try {
     run_layers(bucket, bucket, opts.max_context);
-    if (reads_out()) head(0, bucket, logits, sampled);
+    if (runs_head()) head(0, bucket, logits, sampled);
   } catch (...) {
     profiling = false;
     cudaStreamEndCapture(stream, &graph);
@@ -397,6 +398,7 @@ void Rank::profiled_step(int bucket, float* logits, int32_t* sampled) {
 void Rank::finish_step() {
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (allreduce) allreduce->check(group_rank);
+  if (head_gather) head_gather->check(group_rank);
   if (ep_link.p2p)  // the exchange's wait status is one per rank, whichever layer timed out
     for (const auto& e : ep_layers)
       if (e) {
@@ -746,8 +748,25 @@ void Rank::head(int64_t first, int64_t rows, float* logits, int32_t* sampled) {
                                    static_cast<int>(rows), static_cast<int>(c.hidden_size),
                                    c.rms_norm_eps, ws.normed, stream));
   mark("residual add + RMSNorm");
-  project(*blas, ws.normed, model->lm_head, logits, OutType::kF32, rows, stream);
-  mark("lm_head");
+  if (head_gather) {
+    // This rank's share of the vocabulary: the first writes its logits in place, the others into
+    // their shards, which the first then gathers.
+    const int64_t first_col = head_gather->first_column(group_rank), cols = head_gather->columns(group_rank);
+    const DeviceMatrix share = model->lm_head.row_slice(first_col, cols);
+    if (!reads_out()) {
+      head_gather->before_write(group_rank, stream);
+      if (cols > 0) project(*blas, ws.normed, share, head_gather->shard(group_rank), OutType::kF32, rows, stream);
+      head_gather->after_write(group_rank, stream);
+      return;
+    }
+    if (cols > 0) project(*blas, ws.normed, share, logits, OutType::kF32, rows, stream, c.vocab_size);
+    mark("lm_head, this GPU's share of the vocabulary");
+    head_gather->gather(logits, rows, c.vocab_size, stream);
+    mark("lm_head, the other shares gathered");
+  } else {
+    project(*blas, ws.normed, model->lm_head, logits, OutType::kF32, rows, stream);
+    mark("lm_head");
+  }
   if (!sampled) return;
   kernels::SampleParams sp{meta.temperature, meta.top_k, meta.top_p, meta.seed, meta.step,
                            static_cast<int>(c.vocab_size)};

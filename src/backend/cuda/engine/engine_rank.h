@@ -22,6 +22,7 @@
 #include "backend/cuda/engine/engine_buffers.h"
 #include "backend/cuda/engine/projection.h"
 #include "backend/cuda/comm/peer_allreduce.h"
+#include "backend/cuda/comm/peer_column_gather.h"
 #include "backend/cuda_engine.h"
 #include "backend/cuda_ep.h"
 #include "model/config.h"
@@ -111,6 +112,9 @@ struct Rank {
   // Whether this rank's final rows are read out (logits, sampling): the first rank of its
   // attention group (rank 0 without dp), whose rows the group shares.
   bool reads_out() const { return group_rank == 0; }
+  // Whether this rank runs the head: the one that reads out, and with a head_gather every rank
+  // of the group (each computing its share of the vocabulary).
+  bool runs_head() const { return reads_out() || head_gather != nullptr; }
   // The smallest decode graph bucket of at least `rows` rows (the largest for more).
   int bucket_for(int64_t rows) const;
   // The bucket's graph, captured on first use (which overwrites the step metadata with padding).
@@ -144,6 +148,8 @@ struct Rank {
   // experts, and the group's all-reduce gives every rank all of them back.
   bool split_rows = false;
   const PeerAllReduce* allreduce = nullptr;  // sums partial outputs over the group (tp, local_allreduce)
+  // Groups of several GPUs: the group's lm_head shares gathered on its first (set after construction).
+  const PeerColumnGather* head_gather = nullptr;
   EpLink ep_link;
   // Whether the routed experts run through an EP exchange (ep_layers) rather than this rank's
   // experts on every token and the all-reduce.
