@@ -186,11 +186,13 @@ std::unique_ptr<Engine> Engine::load(const std::string& dir, const EngineOptions
     s.ranks.push_back(std::make_unique<Rank>(mc, o, r, ranks, sum, link));
   }
   // Every GPU of a group holds the group's final rows: each computes the logits of its share of
-  // the vocabulary (engine_rank.cpp, Rank::head).
+  // the vocabulary (engine_rank.cpp, Rank::head), where the GPUs reach each other's memory (the
+  // NCCL backends also run without; the group's first GPU then computes them all).
   if (s.group_size > 1)
     for (int first = 0; first < ranks; first += s.group_size) {
       std::vector<int> devices;
       for (int r = first; r < first + s.group_size; ++r) devices.push_back(o.device + r);
+      if (!peer_access_available(devices)) continue;
       s.head_gathers.push_back(std::make_unique<PeerColumnGather>(devices, s.first().logit_rows, mc.vocab_size));
       for (int r = first; r < first + s.group_size; ++r) s.ranks[static_cast<size_t>(r)]->head_gather = s.head_gathers.back().get();
     }
