@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <string>
+#include <tuple>
 
 #include "backend/cuda/comm/peer_column_gather.h"
 #include "core/rank_threads.h"
@@ -203,12 +204,26 @@ TEST(PeerColumnGather, AMissingRankIsReportedNotAwaitedForever) {
   EXPECT_NE(why.find("GPU 0 did not arrive"), std::string::npos) << why;
 }
 
+// Refused before any device is touched: runs without a GPU too.
+TEST(PeerColumnGather, BadShapesAreRefusedBeforeAnyDeviceWork) {
+  std::string why;
+  EXPECT_EQ(test::error_kind_of([&] { cuda::PeerColumnGather({}, 4, 256); }, &why), ErrorKind::kInvalidArgument);
+  EXPECT_NE(why.find("1 to 8 GPUs, got 0"), std::string::npos) << why;
+  EXPECT_EQ(test::error_kind_of([&] { cuda::PeerColumnGather(first_devices(9), 4, 256); }, &why),
+            ErrorKind::kInvalidArgument);
+  EXPECT_NE(why.find("got 9"), std::string::npos) << why;
+  for (const auto& [rows, cols, timeout] : {std::tuple{int64_t{0}, int64_t{256}, 10.0}, std::tuple{int64_t{4}, int64_t{0}, 10.0},
+                                            std::tuple{int64_t{4}, int64_t{256}, 0.0}}) {
+    EXPECT_EQ(test::error_kind_of([&] { cuda::PeerColumnGather({0}, rows, cols, timeout); }, &why),
+              ErrorKind::kInvalidArgument)
+        << rows << " rows, " << cols << " columns, timeout " << timeout;
+    EXPECT_NE(why.find("both positive"), std::string::npos) << why;
+  }
+}
+
 TEST(PeerColumnGather, BadArgumentsAreRefused) {
   REQUIRE_GPU();
   std::string why;
-  EXPECT_EQ(test::error_kind_of([&] { cuda::PeerColumnGather({}, 4, 256); }, &why), ErrorKind::kInvalidArgument);
-  EXPECT_EQ(test::error_kind_of([&] { cuda::PeerColumnGather({0}, 0, 256); }, &why), ErrorKind::kInvalidArgument);
-  EXPECT_NE(why.find("both positive"), std::string::npos) << why;
   cuda::PeerColumnGather one({0}, 4, 300);  // one GPU: every column is its own
   EXPECT_EQ(one.first_column(0), 0);
   EXPECT_EQ(one.columns(0), 300);
