@@ -79,7 +79,10 @@ struct Cfg {
   // takes half the tensor-core time: as many as fit in 200 KB, to keep the gathers' L2 latency
   // covered.
   static constexpr int kStages = kFp8 ? (204800 / kStageBytes < 8 ? 204800 / kStageBytes : 8) : BM == 64 ? 5 : 4;
-  static constexpr int kSmem = 1024 + kStages * kStageBytes + 2 * kStages * 8;
+  // After the barriers: down's epilogue buffer of 128- and 256-row tiles, 2 KB a consumer warp
+  // (store_rows_staged; 64-row tiles keep store_row_pairs: docs/perf/down-stores-whole-lines.md).
+  static constexpr int kEpilogueBytes = BM >= 128 ? 8 * 2048 : 0;
+  static constexpr int kSmem = 1024 + kStages * kStageBytes + 2 * kStages * 8 + kEpilogueBytes;
   // Producer warpgroups: two at BM 256, so that a thread gathers 8 rows a stage as at BM 128, not
   // 16. Measured (H100, moe-bench layer, µs, one producer warpgroup -> two): deepseek-v2-lite
   // M = 2048 678 -> 657; qwen3-30b-a3b with 256-row tiles forced, M = 2048 697 -> 670, 4096
@@ -207,6 +210,7 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
   // The swizzle pattern and the descriptors assume 1024-byte aligned tiles.
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t bars = base + S * R::kStageBytes;
+  const uint32_t epilogue_buf = bars + 16u * S;  // 16-byte aligned: bars is 1024-aligned
   auto full = [&](int s) { return bars + 8u * s; };
   auto empty = [&](int s) { return bars + 8u * (S + s); };
   // The weight tile of k-step kt of an item into stage s (one thread).
@@ -515,6 +519,42 @@ __global__ void __launch_bounds__(RingOf<BM, BN, kMixed, kFp8>::kThreads, 1) wgm
       } else if constexpr (kGateUp && kQuantisesActWhole<BM, BN, kMixed, kFp8>) {
         quantise_act_whole(acc[0], acc[1], prow[0], w.row_end, ct, lane, inter, static_cast<uint8_t*>(out),
                            out_scales);
+      } else if (!kGateUp && splits == 1 && TM >= 128) {
+        // down's bf16 partial sums: 64 columns at a time through the warp's buffer, whole lines.
+        // hidden is a multiple of 64 (BK, checked at launch): a chunk is in or out whole.
+        const uint32_t buf = epilogue_buf + (cw * 4 + warp) * 2048;
+        auto* part_rows = static_cast<__nv_bfloat16*>(out);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          // The rows this lane stores, 4i + lane / 8 of the warp's 16: their slots from the lanes
+          // that fetched them (row r is row half r / 8 of quad r % 8).
+          int row_slot[4];
+          bool row_ok[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int r = 4 * i + lane / 8;
+            const int s0 = __shfl_sync(0xffffffffu, slot[u][0], (r % 8) * 4);
+            const int s1 = __shfl_sync(0xffffffffu, slot[u][1], (r % 8) * 4);
+            row_slot[i] = i < 2 ? s0 : s1;
+            row_ok[i] = my_row0 + 64 * u + 16 * warp + r < row_end;
+          }
+#pragma unroll
+          for (int c = 0; c < C::WN / 64; ++c) {
+            const int col0 = ct * TN + part * C::WN + 64 * c;
+            if (col0 >= hidden) break;
+            uint32_t pairs[8][2];
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const int j = 8 * c + jj;
+                const __nv_bfloat162 b = __floats2bfloat162_rn(scale[u][h] * val(u, 4 * j + 2 * h),
+                                                               scale[u][h] * val(u, 4 * j + 2 * h + 1));
+                pairs[jj][h] = *reinterpret_cast<const uint32_t*>(&b);
+              }
+            store_rows_staged(buf, pairs, row_slot, row_ok, part_rows, hidden, col0, lane);
+          }
+        }
       } else {
 #pragma unroll
         for (int u = 0; u < U; ++u)

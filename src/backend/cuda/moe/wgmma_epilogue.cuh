@@ -1,5 +1,5 @@
 // The epilogue pieces of the grouped wgmma GEMM (moe_wgmma_gemm.cu) that act on one consumer's
-// accumulator fragment: the SiLU, down's 8-byte partial-sum stores, and FP8 act quantised where
+// accumulator fragment: the SiLU, down's partial-sum stores, and FP8 act quantised where
 // gate_up writes it. Device code only, for that file.
 //
 // Fragment (m64nN, f32): register 4j + 2h + c holds row 16 * warp + lane / 4 + 8h, column
@@ -45,6 +45,44 @@ __device__ __forceinline__ void store_row_pairs(__nv_bfloat16* at, uint32_t (&v)
   }
 #pragma unroll
   for (int i = 0; i < 4; i += 2) *reinterpret_cast<uint2*>(at + 8 * (i + q1) + 2 * (q & 2)) = make_uint2(v[i], v[i + 1]);
+}
+
+// down's partial sums of one consumer warp's 16 rows x 64 columns, through the warp's own 2 KB of
+// shared memory: stmatrix writes the fragment's bf16 pairs as rows, then each lane reads back 16
+// contiguous bytes of one row, so that a warp's 16-byte stores cover 4 rows x 128 bytes, whole
+// lines, where store_row_pairs' touch 8 rows x 32 bytes. For tiles of 128 and 256 rows; 64-row
+// tiles keep store_row_pairs, which measured 1% faster in a batch-8 decode step
+// (docs/perf/down-stores-whole-lines.md).
+//  - pairs[jj][h]: this lane's packed pair of column group jj (8 columns) in its row h (fragment
+//    rows lane / 4 and lane / 4 + 8);
+//  - slot[i], ok[i]: the output row of row 4i + lane / 8 of the warp's 16, and whether it is one
+//    of the expert's (rows past its end are not stored).
+// The 16-byte chunk c of row r sits at chunk c ^ (r % 8), so that neither the stmatrix rows nor
+// the read-back conflict on banks. The whole warp calls it.
+__device__ __forceinline__ void store_rows_staged(uint32_t stage, const uint32_t (&pairs)[8][2], const int (&slot)[4],
+                                                  const bool (&ok)[4], __nv_bfloat16* part, int hidden, int col0,
+                                                  int lane) {
+  // x4: matrix m is (row half m % 2, column group jj + m / 2); lane t gives row t % 8 of matrix t / 8.
+  const int m = lane / 8, r = (m % 2) * 8 + lane % 8;
+#pragma unroll
+  for (int jj = 0; jj < 8; jj += 2) {
+    const uint32_t at = stage + r * 128 + (((jj + m / 2) ^ (r % 8)) << 4);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(pairs[jj][0]),
+                 "r"(pairs[jj][1]), "r"(pairs[jj + 1][0]), "r"(pairs[jj + 1][1])
+                 : "memory");
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = 4 * i + lane / 8, c = lane % 8;
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(stage + row * 128 + ((c ^ (row % 8)) << 4))
+                 : "memory");
+    if (ok[i]) *reinterpret_cast<uint4*>(part + static_cast<size_t>(slot[i]) * hidden + col0 + c * 8) = v;
+  }
+  __syncwarp();  // the buffer is written again by the next call
 }
 
 // The E4M3 codes of 16 act values of one row held by this lane (v[2j + c]: column 8j + 2q + c of
