@@ -22,6 +22,18 @@ inline Summary summarize(std::vector<double> v) {
   return s;
 }
 
+// The names of a comma-separated list (--modes), empty ones dropped.
+inline std::vector<std::string> split_modes(const std::string& list) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at <= list.size()) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    if (comma > at) out.push_back(list.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return out;
+}
+
 // Where presets/<name>/config.json live: the source tree this was built from, else ./presets.
 std::string preset_dir(const std::string& name);
 

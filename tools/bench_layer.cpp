@@ -193,7 +193,17 @@ int run_layer_bench(const LayerBenchArgs& args) {
   Shape shape = find_shape(a.preset);
   MOE_CHECK(a.ep >= 1 && a.ep <= shape.experts, kInvalidArgument,
             "--ep {} must be in [1, {}] (the number of experts)", a.ep, shape.experts);
+  const bool one_gpu = gpu && a.ep == 1;
+  if (a.runs == LayerBenchArgs::kDeviceDefault) a.runs = one_gpu ? 50 : 20;
+  if (a.warmup == LayerBenchArgs::kDeviceDefault) a.warmup = one_gpu ? 10 : 3;
   if (gpu) {
+    MOE_CHECK(a.threads == 0, kInvalidArgument, "--threads sets CPU threads: it is for --device cpu");
+    if (one_gpu) {
+      MOE_CHECK(a.runs >= 1 && a.warmup >= 0, kInvalidArgument, "--runs must be >= 1, --warmup >= 0");
+      for (const std::string& path : split_modes(a.modes))
+        MOE_CHECK(path == "gemv" || path == "gemm" || path == "wgmma", kInvalidArgument,
+                  "--modes {}: the paths of one GPU are gemv, gemm and wgmma", path);
+    }
     MOE_CHECK(a.dtype == "bf16" || (a.dtype == "fp8" && a.ep == 1), kUnsupported,
               "--dtype {}: the CUDA experts take bf16, or fp8 (E4M3 in 128 x 128 blocks) on one GPU (--ep 1)",
               a.dtype);

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 namespace moe::bench {
@@ -12,10 +13,14 @@ struct LayerBenchArgs {
   std::string dtype;  // empty: f32 on the CPU, bf16 on CUDA
   std::string device = "auto";  // auto: cuda where the GPUs are there (see run_layer_bench)
   bool json = false;
-  int runs = 20;
-  int warmup = 3;
-  int threads = 0;
-  std::string modes;  // empty: all
+  // kDeviceDefault: the bench's own (20 runs after 3 on the CPU and over several GPUs; on one GPU
+  // 50 graph replays after 10).
+  static constexpr int kDeviceDefault = std::numeric_limits<int>::min();
+  int runs = kDeviceDefault;
+  int warmup = kDeviceDefault;
+  int threads = 0;  // CPU only
+  // Empty: all. On one GPU: the expert paths to time, of gemv, gemm and wgmma.
+  std::string modes;
   // CUDA, one GPU: S * sin(12.9898 * e) added to expert e's random router logits, so that some
   // experts draw more tokens than others (0: uniform; 1.5: a few experts take most slots).
   double routing_skew = 0;

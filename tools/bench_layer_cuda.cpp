@@ -210,11 +210,13 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
   doc["dtype"] = a.dtype;
   doc["matmul_TFLOPs"] = matmul_flops / 1e12;
   doc["routing_skew"] = a.routing_skew;
+  doc["runs"] = a.runs;
+  doc["warmup"] = a.warmup;
   doc["device"] = prop.name;
   doc["copy_GBps"] = copy_bw / 1e9;
   doc["shape"] = {{"experts", experts}, {"hidden", hidden}, {"intermediate", inter}, {"top_k", top_k}};
   doc["method"] = "CUDA graph of the routed-expert kernels (plan, gate_up, down, combine), L2 flushed "
-                  "before each replay, events, median of 50 after 10; routing from random logits "
+                  "before each replay, events, median of `runs` after `warmup`; routing from random logits "
                   "through the model's router on the host, not timed (routing_skew S > 0: "
                   "S * sin(12.9898 * e) added to expert e's logits; no vLLM figure then, as "
                   "those are for uniform routing); floor = max(bytes / copy bandwidth measured "
@@ -225,9 +227,9 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
                   "vllm_us_at_these_bytes: its time scaled by this run's bytes over those of its draw";
   if (!a.json) {
     std::printf("moe-bench layer %s --device cuda: %s, copy %.0f GB/s measured; %s, routed experts only; "
-                "compute floor at %.0f TFLOP/s%s\n",
+                "compute floor at %.0f TFLOP/s%s; median of %d graph replays after %d\n",
                 name, prop.name, copy_bw / 1e9, fp8 ? "FP8 E4M3 in 128 x 128 blocks" : "bf16", matmul_flops / 1e12,
-                fp8 ? " (FP8, measured here)" : " (bf16, the peers' H100 figure)");
+                fp8 ? " (FP8, measured here)" : " (bf16, the peers' H100 figure)", a.runs, a.warmup);
     if (a.routing_skew > 0)
       std::printf("routing skew %g: expert loads uneven; no vLLM figures (theirs are for uniform routing)\n",
                   a.routing_skew);
@@ -288,16 +290,24 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
     const double vllm_at_bytes =
         vllm.us > 0 ? vllm.us * bytes / (static_cast<double>(vllm.touched) * expert_bytes + act_bytes) : 0.0;
 
-    // The heuristics' path first, then the others where they can run this M (to place the switches).
+    // The heuristics' path first, then the others where they can run this M (to place the
+    // switches); with --modes only the paths it names (checked by run_layer_bench).
     const cuda::ExpertPath chosen = core.path_for(m);
-    std::vector<cuda::ExpertPath> paths{chosen};
+    const std::vector<std::string> named = split_modes(a.modes);
+    auto selected = [&](cuda::ExpertPath p) {
+      return named.empty() || std::find(named.begin(), named.end(), path_name(p)) != named.end();
+    };
+    std::vector<cuda::ExpertPath> paths;
+    if (selected(chosen)) paths.push_back(chosen);
     const bool sm90 = prop.major == 9 && prop.minor == 0;
     for (cuda::ExpertPath other : {cuda::ExpertPath::kGemv, cuda::ExpertPath::kGemm, cuda::ExpertPath::kWgmma}) {
-      if (other == chosen || !cuda::experts_support(shape, other, core.format())) continue;
+      if (other == chosen || !selected(other) || !cuda::experts_support(shape, other, core.format())) continue;
       if (other == cuda::ExpertPath::kGemv && m > 256) continue;
       if (other == cuda::ExpertPath::kWgmma && !sm90) continue;
       paths.push_back(other);
     }
+    if (paths.empty() && !a.json)
+      std::printf("%6lld  --modes %s: none of these paths runs at this M on this GPU\n", (long long)m, a.modes.c_str());
     for (cuda::ExpertPath path : paths) {
       MOE_CUDA_CHECK(cudaMemset(dy.p, 0xff, m * hidden * 2));
       forward(dx, dids, dw, m, dy, path);
@@ -323,7 +333,7 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
       MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
       MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
       std::vector<double> us;
-      for (int r = 0; r < 60; ++r) {
+      for (int r = 0; r < a.warmup + a.runs; ++r) {
         MOE_CUDA_CHECK(cudaMemsetAsync(flush.p, r & 0xff, 256u << 20, stream));
         MOE_CUDA_CHECK(cudaEventRecord(e0, stream));
         MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
@@ -331,7 +341,7 @@ int run_layer_bench_cuda(const LayerBenchArgs& a, int64_t experts, int64_t hidde
         MOE_CUDA_CHECK(cudaEventSynchronize(e1));
         float ms;
         MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r >= 10) us.push_back(ms * 1e3);
+        if (r >= a.warmup) us.push_back(ms * 1e3);
       }
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(graph);

@@ -16,9 +16,26 @@
 
 namespace moe::bench {
 
-int run_model_bench(const ModelBenchArgs& a) {
+int run_model_bench(const ModelBenchArgs& args) {
+  ModelBenchArgs a = args;
   MOE_CHECK(a.device == "cpu" || a.device == "cuda", kInvalidArgument,
             "--device {}: expected cpu or cuda", a.device);
+  // Each option either does what it says on the device chosen or is refused.
+  if (a.device == "cuda") {
+    MOE_CHECK(a.threads == 0, kInvalidArgument, "--threads sets CPU threads: it is for --device cpu");
+    MOE_CHECK(a.exec.empty(), kInvalidArgument,
+              "--exec {}: the CPU's expert execution (naive | grouped); --device cuda picks its kernels itself",
+              a.exec);
+    MOE_CHECK(a.batch == ModelBenchArgs::kUnset || a.batches.empty(), kInvalidArgument,
+              "give --batch or --batches, not both");
+  } else {
+    MOE_CHECK(a.batches.empty(), kInvalidArgument, "--batches is for --device cuda (on the CPU: --batch)");
+    MOE_CHECK(a.prefill_len == 0, kInvalidArgument, "--prefill-len is for --device cuda");
+    MOE_CHECK(!a.profile, kInvalidArgument, "--profile is for --device cuda");
+    MOE_CHECK(!a.no_fuse, kInvalidArgument, "--no-fuse is for --device cuda");
+  }
+  if (a.batch == ModelBenchArgs::kUnset) a.batch = 1;
+  if (a.exec.empty()) a.exec = "grouped";
   MOE_CHECK(a.model_dir.empty() != a.preset.empty(), kInvalidArgument,
             "give exactly one of -m DIR and --preset NAME");
   const std::string dir = a.preset.empty() ? a.model_dir : preset_dir(a.preset);

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -10,15 +11,16 @@ struct ModelBenchArgs {
   std::string model_dir;
   std::string preset;
   bool random_weights = false;
-  int batch = 1;
+  static constexpr int kUnset = std::numeric_limits<int>::min();
+  int batch = kUnset;  // 1 unless given (cuda: or --batches)
   int input_len = 128;
   int output_len = 32;
-  int threads = 0;
+  int threads = 0;  // cpu only
   int ep = 1;
   int tp = 1;  // cuda: tensor-parallel attention over the --ep GPUs
   int dp = 1;  // cuda: data-parallel attention, each GPU its own sequences
   std::string ep_backend = "local_allreduce";
-  std::string exec = "grouped";
+  std::string exec;  // cpu only; empty: grouped
   std::string device = "cpu";
   std::vector<int> batches;  // cuda: several decode batch sizes on one loaded model
   int prefill_len = 0;       // cuda: also time one prompt of this many tokens alone

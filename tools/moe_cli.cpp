@@ -38,7 +38,7 @@ struct Common {
   int tp = 1;
   int dp = 1;
   std::string ep_backend = "local_allreduce";
-  std::string exec = "grouped";
+  std::string exec;  // cpu only; empty: grouped
   bool expert_stats = false;
   std::string device = "cpu";
   int max_batch = 1;
@@ -54,6 +54,9 @@ struct Common {
     // An unknown name (the valid ones listed), then dp against the other degrees.
     cuda::check_engine_dp(dp, tp, ep, cuda::engine_ep_backend(ep_backend));
     MOE_CHECK(!expert_stats, kUnsupported, "--expert-stats is CPU-only so far");
+    MOE_CHECK(threads == 0, kInvalidArgument, "--threads sets CPU threads: it is for --device cpu");
+    MOE_CHECK(exec.empty(), kInvalidArgument,
+              "--exec {}: the CPU's expert execution (naive | grouped); --device cuda picks its kernels itself", exec);
     return true;
   }
 
@@ -81,7 +84,7 @@ struct Common {
     lo.progress = true;
     lo.random_weights = random_weights;
     lo.seed = weights_seed;
-    lo.exec = parse_exec_mode(exec);
+    lo.exec = parse_exec_mode(exec.empty() ? "grouped" : exec);
     lo.ep_backend = dist::parse_ep_backend(ep_backend);
     // One block as long as the context: the cache is as contiguous as a plain array.
     cpu::ExecutorOptions xo;
@@ -109,7 +112,7 @@ struct Common {
 
 void add_parallel_flags(CLI::App* cmd, Common& c) {
   moe::cli::add_parallel_flags(cmd, {&c.ep, &c.tp, &c.dp, &c.ep_backend});
-  cmd->add_option("--exec", c.exec, "routed-expert execution: naive | grouped")->capture_default_str();
+  cmd->add_option("--exec", c.exec, "cpu: routed-expert execution, naive | grouped (default grouped)");
   cmd->add_flag("--expert-stats", c.expert_stats, "print tokens per expert per layer on stderr");
   cmd->add_option("--device", c.device, "cpu | cuda (bf16; --ep N --tp N: N GPUs)")->capture_default_str();
 }
@@ -122,7 +125,7 @@ void add_weight_flags(CLI::App* cmd, Common& c) {
 
 void add_common(CLI::App* cmd, Common& c, bool tokenizer) {
   cmd->add_option("-m,--model", c.model_dir, "Hugging Face model directory")->required();
-  cmd->add_option("-t,--threads", c.threads, "CPU threads (0: all)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("-t,--threads", c.threads, "cpu: threads (0: all)")->check(CLI::NonNegativeNumber);
   if (tokenizer)
     cmd->add_option("--tokenizer", c.tokenizer, "tokenizer.json (default: the model directory's)");
 }

@@ -105,7 +105,7 @@ int main(int argc, char** argv) {
     moe::cli::add_parallel_flags(&app, {&ep, &tp, &dp, &ep_backend});
     bool random_weights = false;
     app.add_flag("--random-weights", random_weights, "cuda: config.json only, weights drawn on the device");
-    app.add_option("-t,--threads", threads, "CPU threads for the model (0: all)");
+    app.add_option("-t,--threads", threads, "cpu: threads for the model (0: all)");
     app.add_option("--max-batch", max_batch, "requests running at once (per attention group under --dp)")->capture_default_str();
     app.add_option("--max-step-tokens", cfg.max_step_tokens, "tokens computed per step (per attention group under --dp)")->capture_default_str();
     app.add_option("--kv-blocks", kv_blocks, "KV cache blocks (0: enough for max-batch full contexts; cuda: capped by free memory; per attention group under --dp)");
@@ -163,6 +163,7 @@ int main(int argc, char** argv) {
     MOE_CHECK(device == "cpu" || device == "cuda", kInvalidArgument, "--device {}: valid devices are cpu and cuda", device);
     MOE_CHECK(!random_weights || device == "cuda", kInvalidArgument, "--random-weights needs --device cuda");
     if (device == "cuda") {
+      MOE_CHECK(threads == 0, kInvalidArgument, "--threads sets CPU threads: it is for --device cpu");
       cuda::engine_ranks(tp, ep, dp);
       // An unknown name (the valid ones listed), then dp against the other degrees.
       cuda::check_engine_dp(dp, tp, ep, cuda::engine_ep_backend(ep_backend));

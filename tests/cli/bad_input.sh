@@ -124,6 +124,8 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
   expect cuda_ep_needs_gpus "needs 2 GPUs from device 0; this machine has 0|no CUDA backend" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2
 fi
 expect cuda_with_expert_stats "--expert-stats is CPU-only" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --expert-stats
+expect cuda_with_threads "--threads sets CPU threads: it is for --device cpu" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --threads 2
+expect cuda_with_exec "--exec naive: the CPU's expert execution" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --exec naive
 bench=${MOE_BENCH:-$(dirname "$cli")/moe-bench}
 expect bench_unknown_preset "unknown layer preset" -- "$bench" layer --preset gpt5
 expect bench_ep_too_large "must be in \\[1, 8\\]" -- "$bench" layer --ep 9
@@ -136,6 +138,13 @@ expect bench_skew_range "--routing-skew must be in \\[0, 10\\], got -1" -- "$ben
 expect bench_skew_on_cpu "--routing-skew is for the single-GPU CUDA layer bench" -- "$bench" layer --device cpu --routing-skew 1.5
 expect bench_skew_with_ep "--routing-skew is for the single-GPU CUDA layer bench" -- "$bench" layer --device cuda --ep 2 --routing-skew 1.5
 expect bench_cuda_ep_warmup "must be >= 1 here|no CUDA backend" -- "$bench" layer --device cuda --ep 2 --warmup 0
+# Options that do nothing on the device chosen are refused, not dropped.
+expect bench_cuda_threads "--threads sets CPU threads: it is for --device cpu" -- "$bench" layer --device cuda --preset qwen3-30b-a3b --threads 4
+expect bench_cuda_ep_threads "--threads sets CPU threads: it is for --device cpu" -- "$bench" layer --device cuda --ep 2 --threads 4
+expect bench_cuda_unknown_path "--modes foo: the paths of one GPU are gemv, gemm and wgmma" -- "$bench" layer --device cuda --preset qwen3-30b-a3b --modes wgmma,foo
+expect bench_cuda_cpu_mode "--modes dense: the paths of one GPU are gemv, gemm and wgmma" -- "$bench" layer --device cuda --preset qwen3-30b-a3b --modes dense
+expect bench_cuda_runs_zero "--runs must be >= 1, --warmup >= 0" -- "$bench" layer --device cuda --preset qwen3-30b-a3b --runs 0
+expect bench_cpu_runs_zero "--runs must be >= 1, --warmup >= 0" -- "$bench" layer --device cpu --runs 0
 if ! nvidia-smi -L >/dev/null 2>&1; then  # the GPU count is checked where there are too few
   expect bench_cuda_ep_needs_gpus "needs 2 GPUs; this machine has 0|no CUDA backend" -- "$bench" layer --device cuda --ep 2
   expect bench_cuda_needs_a_gpu "needs a CUDA GPU; this machine has none|no CUDA backend" -- "$bench" layer --device cuda --preset qwen3-30b-a3b --tokens 8
@@ -150,6 +159,14 @@ expect bench_model_cuda_ep_backend "--ep-backend deepep: this build has no DeepE
 expect bench_model_dp_on_cpu "runs on GPUs only" -- "$bench" model --preset qwen3-moe-mid --random-weights --dp 2 --ep 2
 expect bench_model_cuda_dp_through_allreduce "use allgather_reducescatter" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --ep 2 --dp 2
 expect bench_model_bad_prefill_len "--prefill-len must be >= 0" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --prefill-len -1
+expect bench_model_cuda_threads "--threads sets CPU threads: it is for --device cpu" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --threads 2
+expect bench_model_cuda_exec "--exec naive: the CPU's expert execution" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --exec naive
+expect bench_model_batch_and_batches "give --batch or --batches, not both" -- "$bench" model --preset qwen3-moe-mid --random-weights --device cuda --batch 2 --batches 1,8
+expect bench_model_cpu_batches "--batches is for --device cuda" -- "$bench" model --preset qwen3-moe-mid --random-weights --batches 1,8
+expect bench_model_cpu_prefill_len "--prefill-len is for --device cuda" -- "$bench" model --preset qwen3-moe-mid --random-weights --prefill-len 128
+expect bench_model_cpu_profile "--profile is for --device cuda" -- "$bench" model --preset qwen3-moe-mid --random-weights --profile
+expect bench_model_cpu_no_fuse "--no-fuse is for --device cuda" -- "$bench" model --preset qwen3-moe-mid --random-weights --no-fuse
+expect bench_model_batch_zero "--batch and --input-len must be >= 1" -- "$bench" model --preset qwen3-moe-mid --random-weights --batch 0
 
 echo "$passed passed, $failures failed"
 [ "$failures" -eq 0 ]

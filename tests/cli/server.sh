@@ -48,6 +48,7 @@ bad_flags "--ep-backend unknown with cuda" 'valid names' -m "$model" --device cu
 bad_flags "--ep beyond the experts" 'expert' -m "$model" --ep 4096
 bad_flags "--tp without --ep" 'runs over the expert-parallel GPUs' -m "$model" --device cuda --tp 2
 bad_flags "--dp through local_allreduce" 'use allgather_reducescatter' -m "$model" --device cuda --ep 2 --dp 2
+bad_flags "--threads with cuda" "--threads sets CPU threads: it is for --device cpu" -m "$model" --device cuda --threads 2
 bad_flags "--dp on the CPU" 'runs on GPUs only' -m "$model" --ep 2 --dp 2 --ep-backend alltoall_packed
 if ! nvidia-smi -L >/dev/null 2>&1; then  # without a GPU (or CUDA build) --device cuda says why
   bad_flags "--device cuda without a GPU" 'CUDA' -m "$model" --device cuda
