@@ -33,7 +33,8 @@ struct Common {
   std::string tokenizer;
   int threads = 0;
   bool random_weights = false;
-  uint64_t weights_seed = 0;
+  static constexpr uint64_t kNoSeed = ~uint64_t{0};
+  uint64_t weights_seed = kNoSeed;  // 0 unless given, with --random-weights only
   int ep = 1;
   int tp = 1;
   int dp = 1;
@@ -43,9 +44,13 @@ struct Common {
   std::string device = "cpu";
   int max_batch = 1;
 
+  uint64_t seed() const { return weights_seed == kNoSeed ? 0 : weights_seed; }
+
   bool on_cuda() const {
     MOE_CHECK(device == "cpu" || device == "cuda", kInvalidArgument,
               "--device {}: expected cpu or cuda", device);
+    MOE_CHECK(random_weights || weights_seed == kNoSeed, kInvalidArgument,
+              "--weights-seed draws --random-weights: without them the checkpoint's weights are read");
     if (device == "cpu") {
       MOE_CHECK(tp == 1, kUnsupported, "--tp {}: tensor-parallel attention runs on GPUs only (--device cuda)", tp);
       MOE_CHECK(dp == 1, kUnsupported, "--dp {}: data-parallel attention runs on GPUs only (--device cuda)", dp);
@@ -69,7 +74,7 @@ struct Common {
       cuda::EngineOptions eo;
       eo.progress = true;
       eo.random_weights = random_weights;
-      eo.seed = weights_seed;
+      eo.seed = seed();
       eo.max_batch = max_batch;
       eo.max_context = context;
       eo.sampled_vocab = sampled_vocab;
@@ -83,7 +88,7 @@ struct Common {
     lo.threads = threads;
     lo.progress = true;
     lo.random_weights = random_weights;
-    lo.seed = weights_seed;
+    lo.seed = seed();
     lo.exec = parse_exec_mode(exec.empty() ? "grouped" : exec);
     lo.ep_backend = dist::parse_ep_backend(ep_backend);
     // One block as long as the context: the cache is as contiguous as a plain array.
@@ -120,7 +125,7 @@ void add_parallel_flags(CLI::App* cmd, Common& c) {
 void add_weight_flags(CLI::App* cmd, Common& c) {
   cmd->add_flag("--random-weights", c.random_weights,
                 "ignore the checkpoint: random weights of the config's shapes");
-  cmd->add_option("--weights-seed", c.weights_seed, "seed of --random-weights")->capture_default_str();
+  cmd->add_option("--weights-seed", c.weights_seed, "seed of --random-weights (default 0)");
 }
 
 void add_common(CLI::App* cmd, Common& c, bool tokenizer) {

@@ -124,6 +124,7 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
   expect cuda_ep_needs_gpus "needs 2 GPUs from device 0; this machine has 0|no CUDA backend" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2
 fi
 expect cuda_with_expert_stats "--expert-stats is CPU-only" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --expert-stats
+expect seed_without_random_weights "--weights-seed draws --random-weights" -- "$cli" logits -m "$fixture" --ids 1 --weights-seed 5
 expect cuda_with_threads "--threads sets CPU threads: it is for --device cpu" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --threads 2
 expect cuda_with_exec "--exec naive: the CPU's expert execution" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --exec naive
 bench=${MOE_BENCH:-$(dirname "$cli")/moe-bench}
