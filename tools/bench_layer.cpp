@@ -1,6 +1,7 @@
 // moe-bench layer: one MoE layer (router + routed experts) at a real model's shape, on one rank
 // or spread over ep ranks (threads here), in every execution / EP mode, with the seed
 // benchmark's metrics measured rather than assumed.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -237,9 +238,18 @@ int run_layer_bench(const LayerBenchArgs& args) {
   fill(s.experts.gate_up, 4, 0.02f);
   fill(s.experts.down, 5, 0.02f);
 
+  // --modes: exact names, each of them run (none dropped without a word).
+  const std::vector<std::string> named = split_modes(a.modes);
+  for (const std::string& n : named) {
+    const Mode* m = std::find_if(std::begin(kModes), std::end(kModes), [&](const Mode& x) { return n == x.name; });
+    MOE_CHECK(m != std::end(kModes), kInvalidArgument,
+              "--modes {}: the CPU's modes are dense, ep_padded, ep_packed, ep_grouped, ep_local_allreduce and "
+              "ep_allgather_reducescatter", n);
+    MOE_CHECK(!m->ep || a.ep > 1, kInvalidArgument, "--modes {} runs over --ep ranks: give --ep 2 or more", n);
+  }
   std::vector<Result> results;
   for (const Mode& m : kModes) {
-    if (!a.modes.empty() && a.modes.find(m.name) == std::string::npos) continue;
+    if (!named.empty() && std::find(named.begin(), named.end(), m.name) == named.end()) continue;
     if (m.ep && a.ep == 1) continue;
     results.push_back(run_mode(s, m, a.ep, a.warmup, a.runs, threads));
   }

@@ -8,6 +8,7 @@
 // exchanges, summed over ranks, per layer call.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <cstdio>
@@ -246,6 +247,14 @@ int run_layer_bench_cuda_ep(const LayerBenchArgs& a, int64_t experts, int64_t hi
                             int64_t inter, int64_t top_k, const RouterConfig& router,
                             const char* name, int64_t preset_tokens) {
   MOE_CHECK(a.runs >= 1 && a.warmup >= 1, kInvalidArgument, "--runs and --warmup must be >= 1 here");
+  // --modes: exact names ("dense", the one-GPU baseline, runs whatever it says).
+  const std::vector<std::string> named = split_modes(a.modes);
+  for (const std::string& n : named)
+    MOE_CHECK(std::any_of(std::begin(kEpModes), std::end(kEpModes), [&](const Mode& m) { return n == m.name; }),
+              kInvalidArgument,
+              "--modes {}: the modes over GPUs are dense, local_allreduce, allgather_reducescatter, alltoall_padded, "
+              "alltoall_packed, p2p and p2p_exchange_only",
+              n);
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
   MOE_CHECK(a.ep <= count, kUnsupported, "--ep {} needs {} GPUs; this machine has {}", a.ep, a.ep, count);
@@ -295,7 +304,9 @@ int run_layer_bench_cuda_ep(const LayerBenchArgs& a, int64_t experts, int64_t hi
     for (auto& v : x) v = f32_to_bf16(nd(rng));
     std::vector<uint16_t> dense_out;
     for (const Mode& m : kEpModes) {
-      if (!a.modes.empty() && a.modes.find(m.name) == std::string::npos && std::string(m.name) != "dense") continue;
+      if (!named.empty() && std::find(named.begin(), named.end(), m.name) == named.end() &&
+          std::string(m.name) != "dense")
+        continue;
       std::string why;
       if (m.backend == dist::EpBackend::kP2p && m.ranks_factor) {
         std::vector<int> d;

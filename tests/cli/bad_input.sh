@@ -145,6 +145,9 @@ expect bench_cuda_ep_threads "--threads sets CPU threads: it is for --device cpu
 expect bench_cuda_unknown_path "--modes foo: the paths of one GPU are gemv, gemm and wgmma" -- "$bench" layer --device cuda --preset qwen3-30b-a3b --modes wgmma,foo
 expect bench_cuda_cpu_mode "--modes dense: the paths of one GPU are gemv, gemm and wgmma" -- "$bench" layer --device cuda --preset qwen3-30b-a3b --modes dense
 expect bench_cuda_runs_zero "--runs must be >= 1, --warmup >= 0" -- "$bench" layer --device cuda --preset qwen3-30b-a3b --runs 0
+expect bench_cpu_unknown_mode "--modes ep_packedx: the CPU's modes are dense, ep_padded" -- "$bench" layer --device cpu --modes dense,ep_packedx
+expect bench_cpu_ep_mode_one_rank "--modes ep_packed runs over --ep ranks: give --ep 2 or more" -- "$bench" layer --device cpu --ep 1 --modes dense,ep_packed
+expect bench_cuda_ep_unknown_mode "--modes nccl: the modes over GPUs are dense|no CUDA backend" -- "$bench" layer --device cuda --ep 2 --modes p2p,nccl
 expect bench_cpu_runs_zero "--runs must be >= 1, --warmup >= 0" -- "$bench" layer --device cpu --runs 0
 if ! nvidia-smi -L >/dev/null 2>&1; then  # the GPU count is checked where there are too few
   expect bench_cuda_ep_needs_gpus "needs 2 GPUs; this machine has 0|no CUDA backend" -- "$bench" layer --device cuda --ep 2
