@@ -22,6 +22,20 @@ int guarded(const std::function<int()>& body) {
   return 1;
 }
 
+int parse_args(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+    return -1;
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::string what = e.what();
+    for (char& c : what)
+      if (c == '\n') c = ' ';
+    std::fprintf(stderr, "error: %s\n", what.c_str());
+    return 1;  // as guarded()
+  }
+}
+
 std::vector<int32_t> parse_ids(const std::string& text) {
   std::vector<int32_t> ids;
   size_t start = 0;

@@ -13,6 +13,11 @@ namespace moe::cli {
 // Runs `body`, turning any exception into one line "error: ..." on stderr and exit code 1.
 int guarded(const std::function<int()>& body);
 
+// Parses argv into `app`; a flag it does not know, a missing or malformed value is one line
+// "error: ..." on stderr and exit code 1, as every other bad input (guarded); --help prints the
+// help and exits 0. Returns -1 when parsing succeeded, else the exit code.
+int parse_args(CLI::App& app, int argc, char** argv);
+
 // "3,17,42" -> {3, 17, 42}; throws kInvalidArgument naming the bad item.
 std::vector<int32_t> parse_ids(const std::string& text);
 

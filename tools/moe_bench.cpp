@@ -45,11 +45,7 @@ int main(int argc, char** argv) {
   model->add_flag("--no-fuse", ma.no_fuse, "cuda: run every operation as its own kernel (for comparisons)");
   model->add_flag("--json", ma.json, "print one JSON document");
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  if (const int rc = moe::cli::parse_args(app, argc, argv); rc >= 0) return rc;
   return moe::cli::guarded([&] {
     if (*layer) return moe::bench::run_layer_bench(la);
     return moe::bench::run_model_bench(ma);

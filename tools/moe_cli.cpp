@@ -115,7 +115,9 @@ struct Common {
   }
 };
 
+// How the model runs: only the commands that load one take them.
 void add_parallel_flags(CLI::App* cmd, Common& c) {
+  cmd->add_option("-t,--threads", c.threads, "cpu: threads (0: all)")->check(CLI::NonNegativeNumber);
   moe::cli::add_parallel_flags(cmd, {&c.ep, &c.tp, &c.dp, &c.ep_backend});
   cmd->add_option("--exec", c.exec, "cpu: routed-expert execution, naive | grouped (default grouped)");
   cmd->add_flag("--expert-stats", c.expert_stats, "print tokens per expert per layer on stderr");
@@ -130,7 +132,6 @@ void add_weight_flags(CLI::App* cmd, Common& c) {
 
 void add_common(CLI::App* cmd, Common& c, bool tokenizer) {
   cmd->add_option("-m,--model", c.model_dir, "Hugging Face model directory")->required();
-  cmd->add_option("-t,--threads", c.threads, "cpu: threads (0: all)")->check(CLI::NonNegativeNumber);
   if (tokenizer)
     cmd->add_option("--tokenizer", c.tokenizer, "tokenizer.json (default: the model directory's)");
 }
@@ -401,11 +402,7 @@ int main(int argc, char** argv) {
 
   app.add_subcommand("devices", "list the GPUs this build can use");
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  if (const int rc = moe::cli::parse_args(app, argc, argv); rc >= 0) return rc;
   return cli::guarded([&] {
     if (*gen) return run_generate(common, prompt, n, sp, chat, ignore_eos, ctx);
     if (*logits) return run_logits(common, ids_text);

@@ -139,11 +139,7 @@ int main(int argc, char** argv) {
     app.add_option("--executor-timeout", executor_timeout_s,
                    "seconds to reach the other side of --executor/--serve-executor, and for each call")
         ->capture_default_str();
-    try {
-      app.parse(argc, argv);
-    } catch (const CLI::ParseError& e) {
-      return app.exit(e);
-    }
+    if (const int rc = moe::cli::parse_args(app, argc, argv); rc >= 0) return rc;
     MOE_CHECK(serve_executor_at.empty() || executor_at.empty(), kInvalidArgument,
               "--serve-executor and --executor: a process is a worker or its driver, not both");
     MOE_CHECK(executor_timeout_s > 0, kInvalidArgument, "--executor-timeout must be positive, got {}",

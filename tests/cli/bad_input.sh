@@ -124,10 +124,16 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
   expect cuda_ep_needs_gpus "needs 2 GPUs from device 0; this machine has 0|no CUDA backend" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --ep 2
 fi
 expect cuda_with_expert_stats "--expert-stats is CPU-only" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --expert-stats
+# The argument parser's own errors read as every other: one "error:" line.
+expect cli_threads_without_a_model "not expected: .*--threads" -- "$cli" tokenize -m "$fixture" --text hi --threads 2
+expect cli_missing_ids "--ids is required" -- "$cli" logits -m "$fixture"
+expect cli_unknown_flag "not expected: --bogus" -- "$cli" info -m "$fixture" --bogus
 expect seed_without_random_weights "--weights-seed draws --random-weights" -- "$cli" logits -m "$fixture" --ids 1 --weights-seed 5
 expect cuda_with_threads "--threads sets CPU threads: it is for --device cpu" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --threads 2
 expect cuda_with_exec "--exec naive: the CPU's expert execution" -- "$cli" logits -m "$fixture" --ids 1 --device cuda --exec naive
 bench=${MOE_BENCH:-$(dirname "$cli")/moe-bench}
+expect bench_unknown_flag "not expected: --bogus" -- "$bench" layer --bogus
+expect bench_runs_not_a_number "--runs" -- "$bench" layer --runs many
 expect bench_unknown_preset "unknown layer preset" -- "$bench" layer --preset gpt5
 expect bench_ep_too_large "must be in \\[1, 8\\]" -- "$bench" layer --ep 9
 expect bench_bad_device "valid devices are auto, cpu and cuda" -- "$bench" layer --device tpu

@@ -41,6 +41,7 @@ bad_flags() {
   fi
 }
 bad_flags "--device tpu" 'valid devices are cpu and cuda' -m "$model" --device tpu
+bad_flags "unknown flag" 'not expected: --bogus' -m "$model" --bogus
 bad_flags "--random-weights on the CPU" 'needs --device cuda' -m "$model" --random-weights
 bad_flags "--ep-backend p2p on the CPU" 'p2p' -m "$model" --ep 2 --ep-backend p2p
 bad_flags "--ep-backend unknown" 'valid' -m "$model" --ep 2 --ep-backend nope
