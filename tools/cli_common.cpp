@@ -76,6 +76,13 @@ std::string tokenizer_path(const std::string& model_dir, const std::string& expl
 
 std::string format_float(float value) { return fmt::format("{}", value); }
 
+std::string format_bytes(double bytes) {
+  if (bytes >= 1e9) return fmt::format("{:.3f} GB", bytes / 1e9);
+  if (bytes >= 1e6) return fmt::format("{:.2f} MB", bytes / 1e6);
+  if (bytes >= 1e3) return fmt::format("{:.1f} KB", bytes / 1e3);
+  return fmt::format("{:.0f} B", bytes);
+}
+
 void add_parallel_flags(CLI::App* app, const ParallelFlags& flags) {
   app->add_option("--ep", *flags.ep, "expert-parallel ranks holding 1/ep of the routed experts each: threads on "
                                      "the CPU, GPUs with --device cuda")

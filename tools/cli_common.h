@@ -25,6 +25,9 @@ std::vector<int32_t> parse_ids(const std::string& text);
 // kIo with a hint when neither exists.
 std::string tokenizer_path(const std::string& model_dir, const std::string& explicit_path);
 
+// A byte count in the unit that shows it: "31.174 GB", "1.05 MB", "12.3 KB", "512 B".
+std::string format_bytes(double bytes);
+
 // Shortest text that reads back as the same f32.
 std::string format_float(float value);
 

@@ -291,7 +291,7 @@ int run_info(const Common& c) {
     }
     if (scale_bytes > 0) by_dtype["block scales"] += scale_bytes;
     for (const auto& [d, b] : by_dtype)
-      dtypes += fmt::format("{}{} {:.3f} GB", dtypes.empty() ? "" : ", ", d, b / 1e9);
+      dtypes += fmt::format("{}{} {}", dtypes.empty() ? "" : ", ", d, cli::format_bytes(b));
   }
   const int64_t sparse = mc.num_moe_layers();
   std::printf("architecture: %s\n", mc.architecture.c_str());
@@ -333,8 +333,9 @@ int run_info(const Common& c) {
   if (ckpt) {
     std::printf("parameters: %lld in the checkpoint (%.3f B), %lld implied by the config\n",
                 (long long)stored_params, stored_params / 1e9, (long long)params);
-    std::printf("bytes: %.3f GB on disk (%s); resident: %.3f GB as f32 on the CPU, %.3f GB on the GPU (%s)\n",
-                ckpt->total_bytes() / 1e9, dtypes.c_str(), params * 4.0 / 1e9, gpu_bytes / 1e9,
+    std::printf("bytes: %s on disk (%s); resident: %s as f32 on the CPU, %s on the GPU (%s)\n",
+                cli::format_bytes(static_cast<double>(ckpt->total_bytes())).c_str(), dtypes.c_str(),
+                cli::format_bytes(params * 4.0).c_str(), cli::format_bytes(gpu_bytes).c_str(),
                 mc.quant.fp8 ? "FP8 matrices as stored, the rest bf16" : "bf16");
   } else {
     std::printf("parameters: %lld implied by the config (%.3f B); no weights in the directory "
@@ -344,10 +345,12 @@ int run_info(const Common& c) {
       const StepReads r = step_reads(mc);
       const double embed = mc.tie_word_embeddings ? 0.0 : 2.0 * static_cast<double>(mc.vocab_size * mc.hidden_size);
       const double fp8 = r.fixed_bytes + r.per_expert_bytes * static_cast<double>(mc.moe.num_experts * sparse) + embed;
-      std::printf("bytes: %.3f GB of matrices on the GPU in the config's FP8 layout, %.3f GB as bf16, %.3f GB as f32\n",
-                  fp8 / 1e9, params * 2.0 / 1e9, params * 4.0 / 1e9);
+      std::printf("bytes: %s of matrices on the GPU in the config's FP8 layout, %s as bf16, %s as f32\n",
+                  cli::format_bytes(fp8).c_str(), cli::format_bytes(params * 2.0).c_str(),
+                  cli::format_bytes(params * 4.0).c_str());
     } else {
-      std::printf("bytes: %.3f GB as bf16, %.3f GB as f32\n", params * 2.0 / 1e9, params * 4.0 / 1e9);
+      std::printf("bytes: %s as bf16, %s as f32\n", cli::format_bytes(params * 2.0).c_str(),
+                  cli::format_bytes(params * 4.0).c_str());
     }
   }
   return 0;
