@@ -197,10 +197,12 @@ int run_layer_bench(const LayerBenchArgs& args) {
   const bool one_gpu = gpu && a.ep == 1;
   if (a.runs == LayerBenchArgs::kDeviceDefault) a.runs = one_gpu ? 50 : 20;
   if (a.warmup == LayerBenchArgs::kDeviceDefault) a.warmup = one_gpu ? 10 : 3;
+  // Over several GPUs run_layer_bench_cuda_ep checks them (it needs a warm-up).
+  MOE_CHECK((gpu && !one_gpu) || (a.runs >= 1 && a.warmup >= 0), kInvalidArgument,
+            "--runs must be >= 1, --warmup >= 0");
   if (gpu) {
     MOE_CHECK(a.threads == 0, kInvalidArgument, "--threads sets CPU threads: it is for --device cpu");
     if (one_gpu) {
-      MOE_CHECK(a.runs >= 1 && a.warmup >= 0, kInvalidArgument, "--runs must be >= 1, --warmup >= 0");
       for (const std::string& path : split_modes(a.modes))
         MOE_CHECK(path == "gemv" || path == "gemm" || path == "wgmma", kInvalidArgument,
                   "--modes {}: the paths of one GPU are gemv, gemm and wgmma", path);
@@ -217,7 +219,16 @@ int run_layer_bench(const LayerBenchArgs& args) {
   MOE_CHECK(a.dtype == "f32", kUnsupported,
             "--dtype {}: the CPU reference computes in f32 (bf16 and fp8 run on --device cuda)", a.dtype);
   if (a.tokens > 0) shape.tokens = a.tokens;
-  MOE_CHECK(a.runs >= 1 && a.warmup >= 0, kInvalidArgument, "--runs must be >= 1, --warmup >= 0");
+  // --modes: exact names, each of them run (none dropped without a word); checked before the
+  // layer's weights are drawn.
+  const std::vector<std::string> named = split_modes(a.modes);
+  for (const std::string& n : named) {
+    const Mode* m = std::find_if(std::begin(kModes), std::end(kModes), [&](const Mode& x) { return n == x.name; });
+    MOE_CHECK(m != std::end(kModes), kInvalidArgument,
+              "--modes {}: the CPU's modes are dense, ep_padded, ep_packed, ep_grouped, ep_local_allreduce and "
+              "ep_allgather_reducescatter", n);
+    MOE_CHECK(!m->ep || a.ep > 1, kInvalidArgument, "--modes {} runs over --ep ranks: give --ep 2 or more", n);
+  }
   const double weight_bytes = 3.0 * shape.experts * shape.hidden * shape.inter * 4;
   const double budget = 0.8 * physical_memory_bytes();
   MOE_CHECK(weight_bytes < budget, kInvalidArgument,
@@ -238,15 +249,6 @@ int run_layer_bench(const LayerBenchArgs& args) {
   fill(s.experts.gate_up, 4, 0.02f);
   fill(s.experts.down, 5, 0.02f);
 
-  // --modes: exact names, each of them run (none dropped without a word).
-  const std::vector<std::string> named = split_modes(a.modes);
-  for (const std::string& n : named) {
-    const Mode* m = std::find_if(std::begin(kModes), std::end(kModes), [&](const Mode& x) { return n == x.name; });
-    MOE_CHECK(m != std::end(kModes), kInvalidArgument,
-              "--modes {}: the CPU's modes are dense, ep_padded, ep_packed, ep_grouped, ep_local_allreduce and "
-              "ep_allgather_reducescatter", n);
-    MOE_CHECK(!m->ep || a.ep > 1, kInvalidArgument, "--modes {} runs over --ep ranks: give --ep 2 or more", n);
-  }
   std::vector<Result> results;
   for (const Mode& m : kModes) {
     if (!named.empty() && std::find(named.begin(), named.end(), m.name) == named.end()) continue;
